@@ -1,0 +1,209 @@
+"""On-disk layout of a checkpoint directory and the atomic commit protocol.
+
+Layout of ``checkpoint.save``::
+
+    latest_checkpointed_iteration.txt   the tracker: the iteration of the newest committed checkpoint
+    iter_0000100/                       a committed checkpoint (its files and manifest.json)
+    .tmp_iter_0000120/                  a save in progress (never loaded; removed at the next start)
+    .replaced_iter_0000100/             an older copy kept while a re-save at the same iteration commits
+    .deleting_iter_0000040/             a checkpoint being deleted by retention
+
+Commit protocol (all file data is already on disk, manifest last):
+
+1. every rank writes into ``.tmp_iter_N``; the manifest is written after all ranks finished;
+2. rank 0 fsyncs the directory tree;
+3. if ``iter_N`` already exists, it is renamed to ``.replaced_iter_N``;
+4. ``.tmp_iter_N`` is renamed to ``iter_N`` and the parent directory fsynced;
+5. the tracker is written to a temporary file, fsynced and renamed over the old tracker;
+6. ``.replaced_iter_N`` is deleted.
+
+A crash between any two steps leaves either the old state or the new one for :func:`recover`, which runs before
+every load: it deletes ``.tmp_iter_*`` and ``.deleting_iter_*``, and restores ``.replaced_iter_N`` when
+``iter_N`` is missing.
+
+For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>]`` SIGKILLs the process at a named point of the
+protocol (see :data:`CRASH_POINTS`).
+"""
+
+import logging
+import os
+import re
+import shutil
+import signal
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+_TMP_RE = re.compile(r"^\.(tmp|deleting)_iter_(\d{7})$")
+_REPLACED_RE = re.compile(r"^\.replaced_iter_(\d{7})$")
+
+CRASH_POINTS = (
+    "during_write",  # some ranks wrote their files, nothing else happened
+    "after_manifest",  # all files and the manifest are in .tmp_iter_N
+    "after_replace_old",  # an existing iter_N was moved to .replaced_iter_N
+    "after_rename",  # iter_N is in place, the tracker still names the previous checkpoint
+    "after_tracker_tmp",  # the new tracker is written to its temporary file but not renamed
+    "after_tracker",  # committed; .replaced_iter_N (if any) not yet deleted
+)
+
+
+def crash_point(name: str, rank: int) -> None:
+    """SIGKILL this process if ``$MBRIDGE_CKPT_CRASH_AT`` names this point (and rank). For fault drills only."""
+    spec = os.environ.get("MBRIDGE_CKPT_CRASH_AT")
+    if not spec:
+        return
+    point, _, only_rank = spec.partition(":")
+    if point == name and (not only_rank or int(only_rank) == rank):
+        logger.error("fault injection: SIGKILL at checkpoint commit point %r on rank %d", name, rank)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    """Path of the committed checkpoint of ``iteration``."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def tmp_dir(root: str, iteration: int) -> str:
+    """Path a save of ``iteration`` writes into before it is committed."""
+    return os.path.join(root, f".tmp_iter_{iteration:07d}")
+
+
+def _replaced_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f".replaced_iter_{iteration:07d}")
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file and directory below ``path`` (and ``path`` itself) to disk."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            _fsync_path(os.path.join(root, name))
+        _fsync_path(root)
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """Iteration named by the tracker in ``root``, or ``None`` when there is no readable tracker."""
+    path = os.path.join(root, TRACKER_NAME)
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        logger.warning("%s holds %r, not an iteration; ignoring the tracker", path, text[:40])
+        return None
+
+
+def write_tracker(root: str, iteration: int, rank: int = 0) -> None:
+    """Atomically replace the tracker in ``root`` with ``iteration`` (write temp, fsync, rename, fsync dir)."""
+    tmp = os.path.join(root, f".{TRACKER_NAME}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    crash_point("after_tracker_tmp", rank)
+    os.replace(tmp, os.path.join(root, TRACKER_NAME))
+    _fsync_path(root)
+
+
+def committed_iterations(root: str) -> list[int]:
+    """Iterations of the ``iter_NNNNNNN`` directories in ``root``, newest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [int(m.group(1)) for name in os.listdir(root) if (m := _ITER_RE.match(name))]
+    return sorted(found, reverse=True)
+
+
+def commit(root: str, iteration: int, rank: int = 0) -> None:
+    """Publish ``.tmp_iter_N`` as ``iter_N`` and point the tracker at it (steps 2-6 of the protocol).
+
+    Call on one rank, after every rank finished writing and the manifest is in place.
+    """
+    crash_point("after_manifest", rank)
+    src = tmp_dir(root, iteration)
+    dst = iter_dir(root, iteration)
+    fsync_tree(src)
+    replaced = None
+    if os.path.exists(dst):
+        replaced = _replaced_dir(root, iteration)
+        if os.path.exists(replaced):
+            shutil.rmtree(replaced)
+        os.rename(dst, replaced)
+        crash_point("after_replace_old", rank)
+    os.rename(src, dst)
+    _fsync_path(root)
+    crash_point("after_rename", rank)
+    write_tracker(root, iteration, rank)
+    crash_point("after_tracker", rank)
+    if replaced is not None:
+        shutil.rmtree(replaced)
+
+
+def recover(root: str) -> None:
+    """Undo what an interrupted save left in ``root``; run on one rank before loading or saving.
+
+    Deletes ``.tmp_iter_*`` and ``.deleting_iter_*`` directories and the tracker's temporary file. A
+    ``.replaced_iter_N`` is moved back to ``iter_N`` when the re-save never got there, and deleted otherwise.
+    """
+    if not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if _TMP_RE.match(name):
+            logger.warning("removing %s left by an interrupted save", path)
+            shutil.rmtree(path, ignore_errors=True)
+        elif m := _REPLACED_RE.match(name):
+            final = iter_dir(root, int(m.group(1)))
+            if os.path.exists(final):
+                logger.warning("removing %s: its re-save %s was committed", path, final)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                logger.warning("restoring %s: the re-save that replaced it never committed", final)
+                os.rename(path, final)
+    tracker_tmp = os.path.join(root, f".{TRACKER_NAME}.tmp")
+    if os.path.exists(tracker_tmp):
+        os.remove(tracker_tmp)
+    _fsync_path(root)
+
+
+def apply_retention(root: str, keep: int, protect: set[int]) -> list[int]:
+    """Delete committed checkpoints beyond the newest ``keep`` ones, never one in ``protect``.
+
+    The tracker's checkpoint is always protected too. Returns the deleted iterations.
+
+    Args:
+        root: the save directory.
+        keep: how many of the newest committed checkpoints to keep; -1 keeps all.
+        protect: iterations that must not be deleted (e.g. a save still being finalized).
+    """
+    if keep < 0:
+        return []
+    protected = set(protect)
+    tracked = read_tracker(root)
+    if tracked is not None:
+        protected.add(tracked)
+    deleted = []
+    for iteration in committed_iterations(root)[keep:]:
+        if iteration in protected:
+            continue
+        path = iter_dir(root, iteration)
+        # Rename first so that a crash mid-delete never leaves a partial iter_N behind.
+        doomed = os.path.join(root, f".deleting_iter_{iteration:07d}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(iteration)
+    if deleted:
+        logger.info("retention (most_recent_k=%d): deleted checkpoints at iterations %s", keep, deleted)
+    return deleted

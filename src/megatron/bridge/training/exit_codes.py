@@ -1,0 +1,57 @@
+"""Process exit codes: how a training process tells its launcher or scheduler what happened.
+
+Every way training ends maps to one code, chosen so that a launcher (``ft_launcher``, ``torchrun``) or a Slurm
+epilog can decide between *restart*, *requeue* and *stop* from the code alone. The table is documented in
+``docs/training/resiliency.md``; keep both in sync (a test checks that).
+
+Codes 16 and 17 are megatron-core's re-run state machine codes and keep their upstream meaning.
+"""
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of a training process, with the action a launcher should take."""
+
+    FINISHED = 0
+    """``train.train_iters`` reached. Action: stop, the job is done."""
+
+    UNEXPECTED_ERROR = 1
+    """An uncaught exception (crash). Action: restart from the last checkpoint (in-job restart)."""
+
+    CONFIG_ERROR = 2
+    """The configuration failed ``validate()`` or an override was unknown. Action: stop; fix the config."""
+
+    NO_VALID_CHECKPOINT = 3
+    """``checkpoint.load`` holds checkpoints but none passes verification. Action: stop; a human must look."""
+
+    RERUN_RESUME = 16
+    """Re-run state machine: resume (on other hardware) to disambiguate a result. Action: requeue."""
+
+    RERUN_FAILED_VALIDATION = 17
+    """Re-run state machine: a result failed validation reproducibly. Action: stop."""
+
+    PREEMPTED = 18
+    """``train.exit_signal`` received; a checkpoint was saved. Action: requeue and resume."""
+
+    DURATION_LIMIT = 19
+    """``train.exit_duration_in_mins`` reached; a checkpoint was saved. Action: requeue and resume."""
+
+    EXIT_INTERVAL = 20
+    """``train.exit_interval`` reached; a checkpoint was saved. Action: stop (the user asked for it)."""
+
+    STRAGGLER_STOP = 21
+    """A straggler was detected with ``nvrx_straggler.stop_if_detected``; a checkpoint was saved. Action: requeue
+    on other nodes."""
+
+
+class TrainingExit(SystemExit):
+    """Raised to end training with a specific :class:`ExitCode` after cleanup ran."""
+
+    def __init__(self, code: ExitCode, reason: str) -> None:
+        super().__init__(int(code))
+        self.exit_code = code
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.exit_code.name} (exit code {int(self.exit_code)}): {self.reason}"

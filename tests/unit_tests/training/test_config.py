@@ -1,0 +1,156 @@
+"""Every ``ConfigContainer.validate()`` check, and the dotted override parser."""
+
+import signal
+
+import pytest
+
+from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.utils.overrides import apply_overrides
+
+# (overrides, world_size, the field the error must name)
+INVALID = [
+    (["model.tensor_model_parallel_size=0"], 2, "model.tensor_model_parallel_size"),
+    (["model.pipeline_model_parallel_size=2"], 2, "model.pipeline_model_parallel_size"),
+    (["model.tensor_model_parallel_size=2"], 3, "model.tensor_model_parallel_size"),
+    (["model.num_layers=0"], 1, "model.num_layers"),
+    (["model.hidden_size=0"], 1, "model.hidden_size"),
+    (["model.num_attention_heads=0"], 1, "model.num_attention_heads"),
+    (["model.vocab_size=0"], 1, "model.vocab_size"),
+    (["model.seq_length=0"], 1, "model.seq_length"),
+    (["model.num_attention_heads=3"], 1, "model.num_attention_heads"),
+    (
+        ["model.num_attention_heads=2", "model.tensor_model_parallel_size=4", "train.global_batch_size=2"],
+        4,
+        "model.num_attention_heads",
+    ),
+    (
+        ["model.vocab_size=127", "model.tensor_model_parallel_size=2", "train.global_batch_size=2"],
+        2,
+        "model.vocab_size",
+    ),
+    (
+        ["model.ffn_hidden_size=255", "model.tensor_model_parallel_size=2", "train.global_batch_size=2"],
+        2,
+        "model.ffn_hidden_size",
+    ),
+    (["model.hidden_dropout=1.0"], 1, "model.hidden_dropout"),
+    (["model.attention_dropout=-0.1"], 1, "model.attention_dropout"),
+    (["model.params_dtype=float16"], 1, "model.params_dtype"),
+    (["train.train_iters=0"], 1, "train.train_iters"),
+    (["train.micro_batch_size=0"], 1, "train.micro_batch_size"),
+    (["train.global_batch_size=6"], 2, "train.global_batch_size"),
+    (["train.exit_interval=0"], 1, "train.exit_interval"),
+    (["train.exit_duration_in_mins=0"], 1, "train.exit_duration_in_mins"),
+    (["train.exit_signal=SIGKILL"], 1, "train.exit_signal"),
+    (["train.exit_signal_handler_for_dataloader=true"], 1, "train.exit_signal_handler_for_dataloader"),
+    (["optimizer.lr=0"], 1, "optimizer.lr"),
+    (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr"),
+    (["optimizer.adam_beta1=1.0"], 1, "optimizer.adam_beta1"),
+    (["optimizer.adam_beta2=-0.5"], 1, "optimizer.adam_beta2"),
+    (["optimizer.clip_grad=-1"], 1, "optimizer.clip_grad"),
+    (["optimizer.weight_decay=-1"], 1, "optimizer.weight_decay"),
+    (["scheduler.lr_decay_style=step"], 1, "scheduler.lr_decay_style"),
+    (["scheduler.lr_warmup_iters=100"], 1, "scheduler.lr_warmup_iters"),
+    (["checkpoint.ckpt_format=torch"], 1, "checkpoint.ckpt_format"),
+    (["checkpoint.save=/tmp/x", "checkpoint.save_interval=0"], 1, "checkpoint.save_interval"),
+    (["checkpoint.save_interval=5"], 1, "checkpoint.save_interval"),
+    (["checkpoint.async_save=true"], 1, "checkpoint.async_save"),
+    (
+        ["checkpoint.ckpt_format=torch", "checkpoint.async_save=true", "checkpoint.save=/tmp/x"],
+        1,
+        "checkpoint.ckpt_format",
+    ),
+    (["checkpoint.most_recent_k=0"], 1, "checkpoint.most_recent_k"),
+    (["checkpoint.save=/etc/hostname"], 1, "checkpoint.save"),
+    (["checkpoint.load=/etc/hostname"], 1, "checkpoint.load"),
+    (["dist.backend=mpi"], 1, "dist.backend"),
+    (["dist.distributed_timeout_minutes=0"], 1, "dist.distributed_timeout_minutes"),
+    (["logger.log_interval=0"], 1, "logger.log_interval"),
+    (["dataset.num_workers=-1"], 1, "dataset.num_workers"),
+    (["ft.enable_ft_package=true"], 1, "ft.enable_ft_package"),
+    (["ft.simulate_fault=true"], 1, "ft.simulate_fault"),
+    (["nvrx_straggler.enabled=true"], 1, "nvrx_straggler.enabled"),
+    (["inprocess_restart.enabled=true"], 1, "inprocess_restart.enabled"),
+    (["rerun_state_machine.rerun_mode=validate_results"], 1, "rerun_state_machine.rerun_mode"),
+    (["train.exit_signal_handler=true"], 1, "train.exit_signal_handler"),
+    (["checkpoint.non_persistent_ckpt_type=local"], 1, "checkpoint.non_persistent_ckpt_type"),
+]
+
+
+def test_defaults_validate():
+    ConfigContainer().validate(world_size=1)
+    ConfigContainer().validate(world_size=2)
+
+
+@pytest.mark.parametrize("overrides,world_size,field_name", INVALID, ids=[" ".join(c[0]) for c in INVALID])
+def test_invalid_config_names_the_field(overrides, world_size, field_name):
+    cfg = apply_overrides(ConfigContainer(), overrides)
+    with pytest.raises(ValueError) as err:
+        cfg.validate(world_size=world_size)
+    message = str(err.value)
+    assert message.startswith(field_name + ":"), message
+    assert "Fix:" in message
+
+
+def test_nccl_rejected_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: nccl is valid here")
+    cfg = apply_overrides(ConfigContainer(), ["dist.backend=nccl"])
+    with pytest.raises(ValueError, match=r"^dist\.backend:"):
+        cfg.validate(world_size=1)
+
+
+def test_tensor_parallel_two_is_valid():
+    cfg = apply_overrides(ConfigContainer(), ["model.tensor_model_parallel_size=2", "train.global_batch_size=4"])
+    cfg.validate(world_size=2)
+
+
+def test_world_size_from_environment(monkeypatch):
+    cfg = apply_overrides(ConfigContainer(), ["model.tensor_model_parallel_size=2"])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="model.tensor_model_parallel_size"):
+        cfg.validate()
+
+
+def test_overrides_apply_types():
+    cfg = apply_overrides(
+        ConfigContainer(),
+        [
+            "train.train_iters=7",
+            "train.exit_signal=SIGUSR1",
+            "checkpoint.save=/tmp/c",
+            "checkpoint.async_save=true",
+            "model.ffn_hidden_size=null",
+            "optimizer.lr=3e-4",
+        ],
+    )
+    assert cfg.train.train_iters == 7
+    assert cfg.train.exit_signal == signal.SIGUSR1
+    assert cfg.checkpoint.save == "/tmp/c" and cfg.checkpoint.async_save is True
+    assert cfg.model.ffn_hidden_size is None
+    assert cfg.optimizer.lr == pytest.approx(3e-4)
+    assert isinstance(cfg, ConfigContainer)
+
+
+@pytest.mark.parametrize(
+    "item,needle",
+    [
+        ("train.train_iter=5", "train_iters"),  # typo: the message suggests the right name
+        ("nosuch.field=1", "nosuch"),
+        ("train.train_iters=abc", "train.train_iters=abc"),
+        ("train.train_iters", "key=value"),
+    ],
+)
+def test_bad_overrides_are_named(item, needle):
+    with pytest.raises(ValueError) as err:
+        apply_overrides(ConfigContainer(), [item])
+    assert needle in str(err.value)
+    assert item in str(err.value)
+
+
+def test_overrides_do_not_mutate_input():
+    base = ConfigContainer()
+    apply_overrides(base, ["train.train_iters=3"])
+    assert base.train.train_iters == 100
