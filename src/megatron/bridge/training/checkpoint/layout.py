@@ -21,8 +21,8 @@ A crash between any two steps leaves either the old state or the new one for :fu
 every load: it deletes ``.tmp_iter_*`` and ``.deleting_iter_*``, and restores ``.replaced_iter_N`` when
 ``iter_N`` is missing.
 
-For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>]`` SIGKILLs the process at a named point of the
-protocol (see :data:`CRASH_POINTS`).
+For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>]]`` SIGKILLs the process at a named point
+of the protocol (see :data:`CRASH_POINTS`), on one rank and at one iteration's save when given.
 """
 
 import logging
@@ -49,14 +49,18 @@ CRASH_POINTS = (
 )
 
 
-def crash_point(name: str, rank: int) -> None:
-    """SIGKILL this process if ``$MBRIDGE_CKPT_CRASH_AT`` names this point (and rank). For fault drills only."""
+def crash_point(name: str, rank: int, iteration: int) -> None:
+    """SIGKILL this process if ``$MBRIDGE_CKPT_CRASH_AT`` names this point (rank, iteration). For fault drills."""
     spec = os.environ.get("MBRIDGE_CKPT_CRASH_AT")
     if not spec:
         return
-    point, _, only_rank = spec.partition(":")
-    if point == name and (not only_rank or int(only_rank) == rank):
-        logger.error("fault injection: SIGKILL at checkpoint commit point %r on rank %d", name, rank)
+    point, only_rank, only_iteration = (spec.split(":") + ["", ""])[:3]
+    if (
+        point == name
+        and (not only_rank or int(only_rank) == rank)
+        and (not only_iteration or int(only_iteration) == iteration)
+    ):
+        logger.error("fault injection: SIGKILL at checkpoint point %r on rank %d, iteration %d", name, rank, iteration)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -113,7 +117,7 @@ def write_tracker(root: str, iteration: int, rank: int = 0) -> None:
         f.write(f"{iteration}\n")
         f.flush()
         os.fsync(f.fileno())
-    crash_point("after_tracker_tmp", rank)
+    crash_point("after_tracker_tmp", rank, iteration)
     os.replace(tmp, os.path.join(root, TRACKER_NAME))
     _fsync_path(root)
 
@@ -131,7 +135,7 @@ def commit(root: str, iteration: int, rank: int = 0) -> None:
 
     Call on one rank, after every rank finished writing and the manifest is in place.
     """
-    crash_point("after_manifest", rank)
+    crash_point("after_manifest", rank, iteration)
     src = tmp_dir(root, iteration)
     dst = iter_dir(root, iteration)
     fsync_tree(src)
@@ -141,12 +145,12 @@ def commit(root: str, iteration: int, rank: int = 0) -> None:
         if os.path.exists(replaced):
             shutil.rmtree(replaced)
         os.rename(dst, replaced)
-        crash_point("after_replace_old", rank)
+        crash_point("after_replace_old", rank, iteration)
     os.rename(src, dst)
     _fsync_path(root)
-    crash_point("after_rename", rank)
+    crash_point("after_rename", rank, iteration)
     write_tracker(root, iteration, rank)
-    crash_point("after_tracker", rank)
+    crash_point("after_tracker", rank, iteration)
     if replaced is not None:
         shutil.rmtree(replaced)
 

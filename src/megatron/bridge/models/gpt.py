@@ -1,0 +1,71 @@
+"""A GPT model from megatron-core (local layer spec, no Transformer Engine) and its forward step."""
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron.bridge.training.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_config(cfg: ModelConfig, device: torch.device) -> Any:
+    """megatron-core ``TransformerConfig`` for ``cfg``; parameters are created on CPU when ``device`` is a CPU."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = _DTYPES[cfg.params_dtype]
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=device.type == "cpu",
+    )
+
+
+def build_gpt_model(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """Build the GPT model of ``cfg`` on ``device`` (seed the generators first for a reproducible init)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(
+        config=transformer_config(cfg, device),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+    return model.to(device)
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def gpt_forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """One micro-batch forward: returns the per-token losses and the function that reduces them."""
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    seq = tokens.shape[1]
+    causal_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
+    output = model(
+        tokens,
+        batch["position_ids"].to(device, non_blocking=True),
+        causal_mask,
+        labels=batch["labels"].to(device, non_blocking=True),
+    )
+    return output, partial(_masked_mean_loss, batch["loss_mask"].to(device, non_blocking=True))

@@ -1,0 +1,298 @@
+"""Global checkpoints: save (sync or async) with an atomic, verified commit; load the newest valid one.
+
+A checkpoint holds the model, optimizer and scheduler states, every RNG state, the iteration and the data
+position (consumed samples), so a resumed run continues bit-identically. Files are written by megatron-core
+``dist_checkpointing`` (``torch_dist`` format) into a temporary directory; after every rank finished, the ranks
+hash the files in parallel, rank 0 writes the manifest and commits (see ``checkpoint/layout.py``).
+
+Loading recovers what an interrupted save left behind, verifies the candidate against its manifest (hashing split
+over ranks) and falls back to the next older checkpoint when verification fails.
+"""
+
+import logging
+import os
+import shutil
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.bridge.training.checkpoint import layout, manifest
+from megatron.bridge.training.config import CheckpointConfig
+from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.rng import get_rng_state, set_rng_state
+from megatron.bridge.training.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_from_rank0(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The megatron-core module inside a DDP wrapper."""
+    return getattr(model, "module", model)
+
+
+def _sharded_state_dict(
+    model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState, is_loading: bool
+) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_sd = _unwrap(model).sharded_state_dict()
+    rank, world = _rank(), _world()
+    return {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "train_state": state.state_dict(),
+        # Every rank keeps its own generators; a resume with the same topology restores them exactly.
+        "rng_state": ShardedObject("rng_state", get_rng_state(), (world,), (rank,), replica_id=0),
+    }
+
+
+def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
+    """Hash every file of ``ckpt_dir`` with the work split over ranks; the full table on rank 0."""
+    files = _broadcast_from_rank0(manifest.list_files(ckpt_dir) if _rank() == 0 else None)
+    share = manifest.hash_share(ckpt_dir, files, _rank(), _world())
+    merged: dict[str, manifest.FileEntry] = {}
+    for part in _all_gather(share):
+        merged.update(part)
+    return merged
+
+
+def verify_checkpoint(ckpt_dir: str) -> list[str]:
+    """Check ``ckpt_dir`` against its manifest with the hashing split over ranks; same problems on every rank."""
+    try:
+        table = manifest.read_manifest(ckpt_dir) if _rank() == 0 else None
+        error = None
+    except ValueError as err:
+        table, error = None, str(err)
+    table, error = _broadcast_from_rank0((table, error))
+    if error:
+        return [error]
+    problems = manifest.verify_share(ckpt_dir, table, _rank(), _world())
+    return sorted(p for part in _all_gather(problems) for p in part)
+
+
+class CheckpointManager:
+    """Saves and loads global checkpoints for one run; owns the async save queue.
+
+    Args:
+        cfg: the checkpoint section of the run's config.
+    """
+
+    def __init__(self, cfg: CheckpointConfig) -> None:
+        self.cfg = cfg
+        self._queue = None
+        self._pending: Optional[int] = None  # iteration of the async save in flight
+        self.last_blocking_seconds: float = 0.0
+        self.last_finalize_seconds: float = 0.0
+        self.last_saved_iteration: Optional[int] = None
+        if cfg.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            from megatron.bridge.utils.cpu_shims import use_persistent_async_worker
+
+            self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
+
+    # ------------------------------------------------------------------ save
+
+    def _save_strategy(self) -> Any:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        strategy = get_default_save_sharded_strategy(self.cfg.ckpt_format)
+        if self.cfg.fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True), True
+            )
+        return strategy
+
+    def save(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
+        """Save a checkpoint of the current state into ``cfg.save`` (asynchronously with ``async_save``)."""
+        from megatron.core import dist_checkpointing
+
+        root = self.cfg.save
+        assert root is not None, "validate() guarantees checkpoint.save when saving"
+        iteration = state.iteration
+        if self._pending is not None:
+            self.finalize(blocking=True)  # one save in flight at a time
+        start = time.perf_counter()
+        tmp = layout.tmp_dir(root, iteration)
+        if _rank() == 0:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        _barrier()
+        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, is_loading=False)
+        request = dist_checkpointing.save(
+            sharded_sd, tmp, sharded_strategy=self._save_strategy(), async_sharded_save=self._queue is not None
+        )
+        if self._queue is None:
+            self._commit(iteration)
+            self.last_blocking_seconds = time.perf_counter() - start
+            logger.info(
+                "saved checkpoint at iteration %d to %s (blocking %.3f s)",
+                iteration,
+                layout.iter_dir(root, iteration),
+                self.last_blocking_seconds,
+            )
+            return
+        request.add_finalize_fn(lambda: self._commit(iteration))
+        self._queue.schedule_async_request(request)
+        self._pending = iteration
+        self.last_blocking_seconds = time.perf_counter() - start
+        logger.info(
+            "Scheduling async checkpoint save at iteration %d to %s (blocking %.3f s)",
+            iteration,
+            layout.iter_dir(root, iteration),
+            self.last_blocking_seconds,
+        )
+
+    def _commit(self, iteration: int) -> None:
+        """After every rank wrote its files: hash, write the manifest, commit, apply retention (all ranks)."""
+        start = time.perf_counter()
+        root = self.cfg.save
+        tmp = layout.tmp_dir(root, iteration)
+        layout.crash_point("during_write", _rank(), iteration)
+        _barrier()
+        entries = _hash_checkpoint(tmp)
+        if _rank() == 0:
+            manifest.write_manifest(tmp, iteration, entries)
+            layout.commit(root, iteration, rank=0)
+            layout.apply_retention(root, self.cfg.most_recent_k, protect={iteration})
+        _barrier()
+        self.last_saved_iteration = iteration
+        self.last_finalize_seconds = time.perf_counter() - start
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Commit a finished async save; with ``blocking``, wait for it. Call on every rank at the same step."""
+        if self._queue is None or self._pending is None:
+            return
+        iteration = self._pending
+        done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        if done:
+            self._pending = None
+            logger.info(
+                "finalized async checkpoint save at iteration %d (commit %.3f s)",
+                iteration,
+                self.last_finalize_seconds,
+            )
+
+    def close(self) -> None:
+        """Wait for any async save and shut the async worker down."""
+        if self._queue is not None:
+            self.finalize(blocking=True)
+            self._queue.close()
+            self._queue = None
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> Optional[int]:
+        """Load the newest valid checkpoint of ``cfg.load`` into the given objects; return its iteration.
+
+        Returns ``None`` (train from scratch) when there is no ``load`` dir or it holds no checkpoint at all,
+        unless ``exit_on_missing_checkpoint`` is set.
+
+        Raises:
+            TrainingExit: ``NO_VALID_CHECKPOINT`` when checkpoints exist but none verifies, or none exists and
+                ``exit_on_missing_checkpoint`` is set.
+        """
+        root = self.cfg.load
+        if root is None:
+            return None
+        if _rank() == 0 and os.path.abspath(root) == os.path.abspath(self.cfg.save or ""):
+            layout.recover(root)
+        _barrier()
+        candidates = _broadcast_from_rank0(self._candidates(root) if _rank() == 0 else None)
+        if not candidates:
+            if self.cfg.exit_on_missing_checkpoint:
+                raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, f"no checkpoint in checkpoint.load={root}")
+            logger.warning("no checkpoint found in checkpoint.load=%s; training starts at iteration 0", root)
+            return None
+        for iteration in candidates:
+            ckpt_dir = layout.iter_dir(root, iteration)
+            problems = verify_checkpoint(ckpt_dir)
+            if problems:
+                logger.error(
+                    "checkpoint %s failed verification (%d problems): %s; trying an older one",
+                    ckpt_dir,
+                    len(problems),
+                    "; ".join(problems[:5]),
+                )
+                continue
+            self._load_dir(ckpt_dir, model, optimizer, scheduler, state)
+            if iteration != candidates[0]:
+                logger.warning("fell back to checkpoint at iteration %d (newest was %d)", iteration, candidates[0])
+            logger.info("successfully loaded verified checkpoint %s at iteration %d", ckpt_dir, state.iteration)
+            return iteration
+        raise TrainingExit(
+            ExitCode.NO_VALID_CHECKPOINT,
+            f"none of the checkpoints {candidates} in checkpoint.load={root} passed verification; "
+            "restore a good copy or point checkpoint.load elsewhere (mbridge-verify-checkpoint lists the damage)",
+        )
+
+    @staticmethod
+    def _candidates(root: str) -> list[int]:
+        """Committed iterations to try, newest first, none newer than the tracker."""
+        committed = layout.committed_iterations(root)
+        tracked = layout.read_tracker(root)
+        if tracked is None:
+            if committed:
+                logger.warning("%s has checkpoints but no readable tracker; using the newest", root)
+            return committed
+        newer = [it for it in committed if it > tracked]
+        if newer:
+            logger.warning(
+                "ignoring checkpoints %s newer than the tracker (%d): their commit never finished", newer, tracked
+            )
+        if tracked not in committed:
+            logger.error(
+                "the tracker names iteration %d but %s does not exist", tracked, layout.iter_dir(root, tracked)
+            )
+        return [it for it in committed if it <= tracked]
+
+    @staticmethod
+    def _load_dir(ckpt_dir: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
+        from megatron.core import dist_checkpointing
+
+        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, is_loading=True)
+        loaded = dist_checkpointing.load(sharded_sd, ckpt_dir)
+        _unwrap(model).load_state_dict(loaded["model"], strict=True)
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        state.load_state_dict(loaded["train_state"])
+        set_rng_state(loaded["rng_state"])

@@ -1,0 +1,92 @@
+"""Process setup: logging, device, torch.distributed, megatron-core parallel state and seeds."""
+
+import datetime
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.bridge.training.config import ConfigContainer
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(level: str) -> None:
+    """Log ``megatron.bridge`` records with the rank in every line; quiet noisy upstream loggers."""
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    logging.getLogger("megatron.bridge").setLevel(level)
+
+
+def select_device() -> torch.device:
+    """The device this rank trains on: its local CUDA device when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def initialize_distributed(cfg: ConfigContainer) -> torch.device:
+    """Initialise torch.distributed and megatron-core's model-parallel groups; return this rank's device.
+
+    The backend comes from the device actually present (nccl with CUDA, gloo without) unless ``dist.backend``
+    names one. On a machine without CUDA the CPU shims for upstream code are applied first.
+    """
+    device = select_device()
+    if device.type == "cpu":
+        from megatron.bridge.utils.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    backend = cfg.dist.backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout)
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
+            distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
+        )
+    logger.info(
+        "initialized %s on %s: world size %d, tensor parallel %d, data parallel %d",
+        backend,
+        device,
+        dist.get_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    return device
+
+
+def set_seeds(seed: int) -> None:
+    """Seed python, numpy and torch identically on every rank, and megatron-core's model-parallel RNG tracker.
+
+    Identical seeds on all ranks keep non-split parameters equal across tensor-parallel ranks; the tracker gives
+    each tensor-parallel rank its own stream for dropout inside split regions.
+    """
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron-core's groups and the default process group (idempotent)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

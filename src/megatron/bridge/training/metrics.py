@@ -1,0 +1,43 @@
+"""Per-step metrics: the log line on rank 0 and, when ``logger.tensorboard_dir`` is set, TensorBoard scalars."""
+
+import logging
+from typing import Optional
+
+from megatron.bridge.training.config import LoggerConfig
+from megatron.bridge.utils.optional_imports import require
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    """Writes training metrics; only rank 0 writes anything."""
+
+    def __init__(self, cfg: LoggerConfig, rank: int) -> None:
+        self.enabled = rank == 0
+        self._tb: Optional[object] = None
+        if self.enabled and cfg.tensorboard_dir:
+            tensorboard = require("torch.utils.tensorboard")
+            self._tb = tensorboard.SummaryWriter(log_dir=cfg.tensorboard_dir)
+
+    def log_step(self, iteration: int, train_iters: int, consumed: int, metrics: dict[str, float]) -> None:
+        """Log one training step; the loss is printed with full precision so runs can be compared exactly."""
+        if not self.enabled:
+            return
+        logger.info(
+            "iteration %d/%d | consumed samples %d | lm loss %r | grad norm %.6f | lr %.6e | step time %.4f s",
+            iteration,
+            train_iters,
+            consumed,
+            metrics["lm loss"],
+            metrics["grad norm"],
+            metrics["lr"],
+            metrics["step time"],
+        )
+        if self._tb is not None:
+            for name, value in metrics.items():
+                self._tb.add_scalar(f"train/{name.replace(' ', '_')}", value, iteration)
+
+    def close(self) -> None:
+        """Flush and close TensorBoard files."""
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,112 @@
+"""Entry point: ``pretrain(cfg, forward_step_func)`` and the command-line wrapper used by the example scripts."""
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron.bridge.training.checkpointing import CheckpointManager
+from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.initialize import (
+    destroy_distributed,
+    initialize_distributed,
+    set_seeds,
+    setup_logging,
+)
+from megatron.bridge.training.metrics import MetricsWriter
+from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
+from megatron.bridge.training.state import TrainState
+from megatron.bridge.training.train import TrainContext, train
+from megatron.bridge.training.utils.overrides import apply_overrides
+
+logger = logging.getLogger(__name__)
+
+
+def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
+    """Validate ``cfg``, set up the run, resume from the newest valid checkpoint and train.
+
+    Args:
+        cfg: the run's configuration.
+        forward_step_func: ``(data_iterator, model) -> (output_tensor, loss_func)`` for one micro-batch.
+
+    Returns:
+        The exit code of the way training ended (see ``exit_codes.py``).
+
+    Raises:
+        ValueError: the configuration is invalid (nothing was started).
+        TrainingExit: training could not start or had to stop early (e.g. no valid checkpoint).
+    """
+    start_time = time.time()
+    cfg.validate()
+    setup_logging(cfg.logger.log_level)
+    from megatron.bridge.data.mock import build_data_iterator
+    from megatron.bridge.models.gpt import build_gpt_model
+
+    device = initialize_distributed(cfg)
+    checkpoints = CheckpointManager(cfg.checkpoint)
+    metrics = MetricsWriter(cfg.logger, dist.get_rank())
+    try:
+        set_seeds(cfg.rng.seed)
+        model = wrap_data_parallel(build_gpt_model(cfg.model, device))
+        optimizer = build_optimizer(cfg, model)
+        scheduler = build_scheduler(cfg, optimizer)
+        state = TrainState()
+        checkpoints.load(model, optimizer, scheduler, state)
+
+        from megatron.core import parallel_state
+
+        data_iterator = build_data_iterator(
+            vocab_size=cfg.model.vocab_size,
+            seq_length=cfg.model.seq_length,
+            seed=cfg.dataset.seed if cfg.dataset.seed is not None else cfg.rng.seed,
+            consumed_samples=state.consumed_train_samples,
+            micro_batch_size=cfg.train.micro_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            num_workers=cfg.dataset.num_workers,
+        )
+        ctx = TrainContext(
+            cfg=cfg,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            data_iterator=data_iterator,
+            forward_step_func=forward_step_func,
+            checkpoints=checkpoints,
+            metrics=metrics,
+            start_time=start_time,
+        )
+        code, reason = train(ctx)
+        checkpoints.close()
+        logger.info("training stopped at iteration %d: %s (exit code %d)", state.iteration, reason, int(code))
+        return code
+    finally:
+        metrics.close()
+        checkpoints.close()
+        destroy_distributed()
+
+
+def main(
+    build_config: Callable[[], ConfigContainer], forward_step_func: Callable, argv: Optional[list[str]] = None
+) -> None:
+    """Command-line entry: apply dotted overrides to ``build_config()``, pretrain, exit with the exit code.
+
+    Exit codes: 0 finished, 2 bad config or override, 1 unexpected error, others as in ``exit_codes.py``.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = apply_overrides(build_config(), argv)
+        code = pretrain(cfg, forward_step_func)
+    except ValueError as err:
+        logging.basicConfig()
+        logger.error("configuration error: %s", err)
+        sys.exit(int(ExitCode.CONFIG_ERROR))
+    except TrainingExit as stop:
+        logger.error("training stopped: %s", stop)
+        sys.exit(int(stop.exit_code))
+    sys.exit(int(code))

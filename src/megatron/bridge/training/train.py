@@ -1,0 +1,133 @@
+"""The training loop, written as the ordered list of moments every step goes through.
+
+Order of events in one iteration (features hook in at these moments, with their logic in their own modules):
+
+1. commit async checkpoint saves that finished on every rank;
+2. forward and backward over the micro-batches, optimizer and scheduler step;
+3. log metrics;
+4. decide whether to stop (``exit_interval``, ``exit_duration_in_mins``, end of training);
+5. save a checkpoint when the interval is reached or training stops;
+6. stop with the exit code of the reason.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.bridge.training.checkpointing import CheckpointManager
+from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.metrics import MetricsWriter
+from megatron.bridge.training.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainContext:
+    """Everything the loop works on."""
+
+    cfg: ConfigContainer
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    state: TrainState
+    data_iterator: Iterator
+    forward_step_func: Callable
+    checkpoints: CheckpointManager
+    metrics: MetricsWriter
+    start_time: float
+
+
+def train_step(ctx: TrainContext, log_this_step: bool) -> dict[str, float]:
+    """Run one optimizer step over a global batch; return metrics (the loss only when ``log_this_step``)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cfg = ctx.cfg
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+    start = time.perf_counter()
+    ctx.model.zero_grad_buffer()
+    ctx.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=ctx.forward_step_func,
+        data_iterator=ctx.data_iterator,
+        model=[ctx.model],
+        num_microbatches=num_microbatches,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size,
+        forward_only=False,
+    )
+    update_ok, grad_norm, _ = ctx.optimizer.step()
+    if update_ok:
+        ctx.scheduler.step(increment=cfg.train.global_batch_size)
+    metrics = {
+        "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "lr": ctx.scheduler.get_lr(ctx.optimizer.param_groups[0]),
+        "step time": time.perf_counter() - start,
+    }
+    if log_this_step:
+        loss = torch.stack([x["lm loss"] for x in losses]).mean()
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        metrics["lm loss"] = (loss / dp_size).item()
+    return metrics
+
+
+def _duration_exceeded(ctx: TrainContext) -> bool:
+    """Whether ``exit_duration_in_mins`` has passed on any rank (all ranks agree: MAX all-reduce)."""
+    limit = ctx.cfg.train.exit_duration_in_mins
+    if limit is None:
+        return False
+    elapsed_min = (time.time() - ctx.start_time) / 60.0
+    device = next(ctx.model.parameters()).device
+    flag = torch.tensor([1 if elapsed_min >= limit else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def exit_condition(ctx: TrainContext) -> Optional[tuple[ExitCode, str]]:
+    """The reason to stop after this step, if any."""
+    train, it = ctx.cfg.train, ctx.state.iteration
+    if it >= train.train_iters:
+        return ExitCode.FINISHED, f"reached train.train_iters={train.train_iters}"
+    if train.exit_interval is not None and it % train.exit_interval == 0:
+        return ExitCode.EXIT_INTERVAL, f"reached train.exit_interval={train.exit_interval} at iteration {it}"
+    if _duration_exceeded(ctx):
+        return ExitCode.DURATION_LIMIT, f"ran train.exit_duration_in_mins={train.exit_duration_in_mins}"
+    return None
+
+
+def _should_save(ctx: TrainContext, stopping: bool) -> bool:
+    ckpt = ctx.cfg.checkpoint
+    if ckpt.save is None:
+        return False
+    if ctx.checkpoints.last_saved_iteration == ctx.state.iteration:
+        return False
+    return stopping or (ckpt.save_interval is not None and ctx.state.iteration % ckpt.save_interval == 0)
+
+
+def train(ctx: TrainContext) -> tuple[ExitCode, str]:
+    """Train until an exit condition holds; return its code and reason. Every rank runs the same sequence."""
+    cfg = ctx.cfg
+    if ctx.state.iteration >= cfg.train.train_iters:
+        return ExitCode.FINISHED, f"checkpoint is already at train.train_iters={cfg.train.train_iters}"
+    ctx.model.train()
+    while True:
+        ctx.checkpoints.finalize(blocking=False)
+        log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
+        metrics = train_step(ctx, log_this_step)
+        ctx.state.iteration += 1
+        ctx.state.consumed_train_samples += cfg.train.global_batch_size
+        if log_this_step:
+            ctx.metrics.log_step(ctx.state.iteration, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
+        stop = exit_condition(ctx)
+        if _should_save(ctx, stopping=stop is not None):
+            ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
+        if stop is not None:
+            return stop

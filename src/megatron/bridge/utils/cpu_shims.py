@@ -1,0 +1,291 @@
+"""CPU stand-ins for the CUDA calls megatron-core makes on the training path.
+
+megatron-core assumes a GPU in a handful of places that the training loop reaches even when the
+model lives on CPU (``use_cpu_initialization=True``) and the process group uses gloo. This module
+patches exactly those places so that a tiny GPT can be trained, checkpointed with
+``dist_checkpointing`` and resumed bit-identically on a CPU-only machine (tests, CI, laptops).
+
+Most shims swap the module-level ``torch`` name of one upstream module for a :class:`_TorchView`:
+it forwards every attribute to the real ``torch`` except that its ``cuda`` attribute answers the
+few CUDA queries on CPU (``current_device`` -> cpu, ``synchronize`` -> no-op, RNG calls -> the CPU
+generator) and its tensor factories build tensors on CPU when asked for a CUDA device. Nothing
+else in the process sees a changed ``torch``. The remaining shims replace single functions.
+
+The model-parallel RNG tracker is mapped onto the CPU default generator: ``fork()`` swaps the CPU
+generator state in and out, so dropout inside tensor-parallel regions is deterministic per TP rank
+and ``get_cuda_rng_tracker().get_states()`` / ``set_states()`` save and restore it for checkpoints.
+
+Example:
+    >>> from megatron.bridge.utils.cpu_shims import apply_cpu_shims
+    >>> apply_cpu_shims()  # no-op when torch.cuda.is_available()
+
+Note:
+    Call :func:`apply_cpu_shims` before building models, optimizers or checkpoints. The patches
+    target megatron-core 0.16; a shim whose target is missing in another release is skipped with
+    a debug log message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_APPLIED = False
+
+# Tensor factories whose ``device=`` argument _TorchView rewrites.
+_FACTORY_NAMES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+def _is_accelerator_device(device: Any) -> bool:
+    """Return True if ``device`` names the CUDA device type (str, torch.device or ordinal)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaView:
+    """What one patched upstream module sees as ``torch.cuda``; other names go to ``torch.cuda``."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        """The CPU device, so ``device=torch.cuda.current_device()`` allocates on CPU."""
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """No-op: CPU ops have completed when they return."""
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        """The CPU default generator's state (the RNG tracker lives on the CPU generator)."""
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
+        """Set the CPU default generator's state."""
+        torch.set_rng_state(new_state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        """Seed the CPU default generator (it plays the role of the CUDA default generator)."""
+        torch.manual_seed(seed)
+
+
+def _cpu_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Wrap a tensor factory so that a CUDA ``device=`` argument becomes CPU."""
+
+    def factory_on_cpu(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _is_accelerator_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    factory_on_cpu.__name__ = factory.__name__
+    return factory_on_cpu
+
+
+class _TorchView(types.ModuleType):
+    """What one patched upstream module sees as ``torch``; every other name is the real one."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaView()
+        for name in _FACTORY_NAMES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _import(module_name: str) -> types.ModuleType | None:
+    """Import an upstream module, or return None (logged) if this release does not have it."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        logger.debug("cpu_shims: skipping %s (%s)", module_name, exc)
+        return None
+
+
+def _install_torch_view(module_name: str) -> None:
+    """Make ``module_name`` see a :class:`_TorchView` as its global ``torch``."""
+    module = _import(module_name)
+    if module is None or isinstance(getattr(module, "torch", None), _TorchView):
+        return
+    if getattr(module, "torch", None) is not torch:
+        logger.debug("cpu_shims: %s does not use a global `torch`; skipped", module_name)
+        return
+    module.torch = _TorchView()
+
+
+# --------------------------------------------------------------------------------------------
+# Individual shims (each idempotent). _SHIMS maps a name to each, in application order.
+# --------------------------------------------------------------------------------------------
+
+
+def _shim_global_memory_buffer() -> None:
+    # utils.GlobalMemoryBuffer.get_tensor allocates with device=torch.cuda.current_device().
+    _install_torch_view("megatron.core.utils")
+
+
+def _shim_rng_tracker() -> None:
+    # CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed call torch.cuda.get_rng_state,
+    # torch.cuda.manual_seed; fork() calls _get/_set_cuda_rng_state (torch.cuda.default_generators).
+    module = _import("megatron.core.tensor_parallel.random")
+    if module is None or getattr(module, "_cpu_shimmed", False):
+        return
+    _install_torch_view(module.__name__)
+
+    def _get_cuda_rng_state(
+        device: int | str | torch.device | None = None, clone: bool = False, graph_safe: bool = False
+    ) -> torch.Tensor:
+        """CPU stand-in: the tracked "CUDA" state is the CPU default generator's state."""
+        return torch.get_rng_state()
+
+    def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        """CPU stand-in: set the CPU default generator's state."""
+        torch.set_rng_state(new_state)
+
+    module._get_cuda_rng_state = _get_cuda_rng_state
+    module._set_cuda_rng_state = _set_cuda_rng_state
+    # fork() warns on every exit when its region drew random numbers ("CPU RNG state changed
+    # within GPU RNG context"): expected here, as the tracked state *is* the CPU generator.
+    logging.getLogger(module.__name__).addFilter(_drop_cpu_rng_changed_warning)
+    module._cpu_shimmed = True
+
+
+def _drop_cpu_rng_changed_warning(record: logging.LogRecord) -> bool:
+    """Logging filter dropping the RNG tracker's CPU-state-changed warning."""
+    return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _shim_grad_buffer() -> None:
+    # DDP: _ParamAndGradBuffer.__init__ allocates grad_data/param_data on torch.cuda.current_device().
+    _install_torch_view("megatron.core.distributed.param_and_grad_buffer")
+
+
+def _shim_optimizer() -> None:
+    # FP32Optimizer.__init__ / MixedPrecisionOptimizer.__init__ create device='cuda' tensors;
+    # ChainedOptimizer.get_loss_scale uses torch.cuda.current_device().
+    _install_torch_view("megatron.core.optimizer.optimizer")
+
+
+def _shim_grad_clipping() -> None:
+    # clip_grads.get_grad_norm_fp32/count_zeros_fp32 create device='cuda' tensors, and
+    # clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor'.
+    clip_grads = _import("megatron.core.optimizer.clip_grads")
+    optimizer = _import("megatron.core.optimizer.optimizer")
+    if clip_grads is None:
+        return
+    _install_torch_view(clip_grads.__name__)
+    if getattr(clip_grads.clip_grad_by_total_norm_fp32, "_cpu_shim", False):
+        return
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    if optimizer is not None and hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
+        optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+
+def _clip_grad_by_total_norm_fp32(
+    parameters: list[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    total_norm: float,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """CPU version of ``clip_grads.clip_grad_by_total_norm_fp32`` (fp32 grads scaled in place).
+
+    Args:
+        parameters: parameters whose gradients are clipped.
+        max_norm: max norm of the gradients.
+        total_norm: total norm of the gradients.
+        use_decoupled_grad: read ``param.decoupled_grad`` instead of ``param.grad``.
+    """
+    from megatron.core.utils import to_local_if_dtensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+            assert grad.dtype in allowed, f"expected {allowed} gradients, got {grad.dtype}"
+            grads.append(to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+_clip_grad_by_total_norm_fp32._cpu_shim = True  # type: ignore[attr-defined]
+
+
+def _shim_schedules() -> None:
+    # forward_backward_{no_pipelining,pipelining_*} create total_num_tokens with device="cuda".
+    _install_torch_view("megatron.core.pipeline_parallel.schedules")
+
+
+def _shim_dist_checkpointing() -> None:
+    # dist_checkpointing.save: FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize().
+    _install_torch_view("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    # dist_checkpointing.save: save_state_dict_async_finalize broadcasts a flag tensor allocated on
+    # torch.cuda.current_device().
+    _install_torch_view("megatron.core.dist_checkpointing.strategies.state_dict_saver")
+    # async save: TemporalAsyncCaller.schedule_async_call calls torch.cuda.synchronize() before forking.
+    _install_torch_view("megatron.core.dist_checkpointing.strategies.async_utils")
+
+
+def _shim_rerun_state_machine() -> None:
+    # RerunStateMachine (modes other than DISABLED): _save_state/_restore_state call
+    # torch.cuda.get_rng_state/set_rng_state, _reduce_any all-reduces a device='cuda' tensor.
+    _install_torch_view("megatron.core.rerun_state_machine")
+
+
+_SHIMS: dict[str, Callable[[], None]] = {
+    "global_memory_buffer": _shim_global_memory_buffer,
+    "rng_tracker": _shim_rng_tracker,
+    "grad_buffer": _shim_grad_buffer,
+    "optimizer": _shim_optimizer,
+    "grad_clipping": _shim_grad_clipping,
+    "schedules": _shim_schedules,
+    "dist_checkpointing": _shim_dist_checkpointing,
+    "rerun_state_machine": _shim_rerun_state_machine,
+}
+
+
+def iter_shim_names() -> Iterator[str]:
+    """Yield the names of the available shims, in application order."""
+    yield from _SHIMS
+
+
+def apply_cpu_shims() -> None:
+    """Patch megatron-core so that training, DDP, the optimizer and checkpointing run on CPU.
+
+    Idempotent; does nothing when CUDA is available.
+    """
+    global _APPLIED
+    if _APPLIED or torch.cuda.is_available():
+        return
+    for name, shim in _SHIMS.items():
+        shim()
+        logger.debug("cpu_shims: applied %s", name)
+    _APPLIED = True
+    logger.info("cpu_shims: applied %d megatron-core CPU shims", len(_SHIMS))
+
+
+def use_persistent_async_worker() -> bool:
+    """Whether async checkpoint saves may use megatron-core's persistent (spawned) worker.
+
+    On CPU: no. A spawned worker starts without these shims, dies on its first CUDA call and leaves the trainer
+    waiting forever in ``schedule_async_request``; the forked (temporal) worker inherits them.
+    """
+    return torch.cuda.is_available()
