@@ -79,5 +79,8 @@ def build_data_iterator(
         num_workers=num_workers,
         worker_init_fn=worker_init_fn,
         persistent_workers=num_workers > 0,
+        # A private generator: creating the iterator must not draw from the global RNG, or a resumed run (which
+        # creates it after restoring the RNG) would diverge from one that never stopped.
+        generator=torch.Generator().manual_seed(seed),
     )
     return iter(loader)

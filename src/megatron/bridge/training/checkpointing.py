@@ -10,9 +10,12 @@ over ranks) and falls back to the next older checkpoint when verification fails.
 """
 
 import logging
+import multiprocessing
+import multiprocessing.managers
 import os
-import shutil
+import signal
 import time
+import uuid
 from typing import Any, Optional
 
 import torch
@@ -21,7 +24,13 @@ import torch.distributed as dist
 from megatron.bridge.training.checkpoint import layout, manifest
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
-from megatron.bridge.training.rng import get_rng_state, set_rng_state
+from megatron.bridge.training.rng import (
+    get_rng_state,
+    rng_state_from_tensor,
+    rng_state_to_tensor,
+    serialized_rng_length,
+    set_rng_state,
+)
 from megatron.bridge.training.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -64,21 +73,59 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _sharded_state_dict(
-    model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState, is_loading: bool
+    model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState, rng_bytes: Optional[int] = None
 ) -> dict[str, Any]:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    """What a checkpoint holds; ``rng_bytes`` is ``None`` when saving and the stored blob length when loading.
 
+    RNG states differ per rank, so each rank stores its own as one row of a ``(world, rng_bytes)`` uint8 tensor
+    (a tensor, unlike a pickled object, loads without unpickling arbitrary code).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    is_loading = rng_bytes is not None
+    if is_loading:
+        rng_row = torch.zeros(rng_bytes, dtype=torch.uint8)
+    else:
+        rng = get_rng_state()
+        rng_bytes = max(_all_gather(serialized_rng_length(rng)))
+        rng_row = rng_state_to_tensor(rng, rng_bytes)
     model_sd = _unwrap(model).sharded_state_dict()
-    rank, world = _rank(), _world()
     return {
         "checkpoint_version": CHECKPOINT_VERSION,
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
         "opt_param_scheduler": scheduler.state_dict(),
         "train_state": state.state_dict(),
-        # Every rank keeps its own generators; a resume with the same topology restores them exactly.
-        "rng_state": ShardedObject("rng_state", get_rng_state(), (world,), (rank,), replica_id=0),
+        "rng_bytes": rng_bytes,
+        "rng_state": ShardedTensor.from_rank_offsets(
+            "rng_state", rng_row.unsqueeze(0), (0, _rank(), _world()), replica_id=0
+        ),
     }
+
+
+def _results_queue_manager_dies_with_parent() -> None:
+    """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _install_writer_results_queue() -> None:
+    """Give megatron-core's checkpoint writers a results queue whose manager process dies with this process.
+
+    Upstream creates it lazily with a plain ``multiprocessing`` manager, which outlives a SIGKILLed rank, keeps
+    its stdout open and leaks one process per rank at every in-job restart.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    sync_manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+    sync_manager.start(initializer=_results_queue_manager_dies_with_parent)
+    filesystem_async._results_queue = sync_manager.Queue()
 
 
 def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
@@ -150,19 +197,18 @@ class CheckpointManager:
         if self._pending is not None:
             self.finalize(blocking=True)  # one save in flight at a time
         start = time.perf_counter()
-        tmp = layout.tmp_dir(root, iteration)
+        attempt = _broadcast_from_rank0(uuid.uuid4().hex[:8] if _rank() == 0 else None)
+        tmp = layout.tmp_dir(root, iteration, attempt)
         if _rank() == 0:
-            os.makedirs(root, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
             os.makedirs(tmp)
         _barrier()
-        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, is_loading=False)
+        _install_writer_results_queue()
+        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
         request = dist_checkpointing.save(
             sharded_sd, tmp, sharded_strategy=self._save_strategy(), async_sharded_save=self._queue is not None
         )
         if self._queue is None:
-            self._commit(iteration)
+            self._commit(iteration, attempt)
             self.last_blocking_seconds = time.perf_counter() - start
             logger.info(
                 "saved checkpoint at iteration %d to %s (blocking %.3f s)",
@@ -171,7 +217,7 @@ class CheckpointManager:
                 self.last_blocking_seconds,
             )
             return
-        request.add_finalize_fn(lambda: self._commit(iteration))
+        request.add_finalize_fn(lambda: self._commit(iteration, attempt))
         self._queue.schedule_async_request(request)
         self._pending = iteration
         self.last_blocking_seconds = time.perf_counter() - start
@@ -182,17 +228,17 @@ class CheckpointManager:
             self.last_blocking_seconds,
         )
 
-    def _commit(self, iteration: int) -> None:
+    def _commit(self, iteration: int, attempt: str) -> None:
         """After every rank wrote its files: hash, write the manifest, commit, apply retention (all ranks)."""
         start = time.perf_counter()
         root = self.cfg.save
-        tmp = layout.tmp_dir(root, iteration)
+        tmp = layout.tmp_dir(root, iteration, attempt)
         layout.crash_point("during_write", _rank(), iteration)
         _barrier()
         entries = _hash_checkpoint(tmp)
         if _rank() == 0:
             manifest.write_manifest(tmp, iteration, entries)
-            layout.commit(root, iteration, rank=0)
+            layout.commit(root, iteration, attempt, rank=0)
             layout.apply_retention(root, self.cfg.most_recent_k, protect={iteration})
         _barrier()
         self.last_saved_iteration = iteration
@@ -289,10 +335,11 @@ class CheckpointManager:
     def _load_dir(ckpt_dir: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
         from megatron.core import dist_checkpointing
 
-        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, is_loading=True)
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
         loaded = dist_checkpointing.load(sharded_sd, ckpt_dir)
         _unwrap(model).load_state_dict(loaded["model"], strict=True)
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
         state.load_state_dict(loaded["train_state"])
-        set_rng_state(loaded["rng_state"])
+        set_rng_state(rng_state_from_tensor(loaded["rng_state"][0]))

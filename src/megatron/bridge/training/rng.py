@@ -1,5 +1,6 @@
 """Capture and restore every random generator a run uses, in a form that loads with ``weights_only=True``."""
 
+import io
 import random
 
 import numpy as np
@@ -43,3 +44,33 @@ def set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+_HEADER = 8  # bytes of little-endian payload length in front of a serialized state
+
+
+def rng_state_to_tensor(state: dict, length: int) -> torch.Tensor:
+    """Serialize :func:`get_rng_state` output into a uint8 tensor of exactly ``length`` bytes (zero padded)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    if len(payload) + _HEADER > length:
+        raise ValueError(f"RNG state needs {len(payload) + _HEADER} bytes, only {length} reserved")
+    out = torch.zeros(length, dtype=torch.uint8)
+    out[:_HEADER] = torch.tensor(list(len(payload).to_bytes(_HEADER, "little")), dtype=torch.uint8)
+    out[_HEADER : _HEADER + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out
+
+
+def serialized_rng_length(state: dict) -> int:
+    """Bytes :func:`rng_state_to_tensor` needs for ``state``."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return len(buf.getvalue()) + _HEADER
+
+
+def rng_state_from_tensor(blob: torch.Tensor) -> dict:
+    """Inverse of :func:`rng_state_to_tensor`; loads with ``weights_only=True`` (no arbitrary unpickling)."""
+    raw = blob.cpu().numpy().tobytes()
+    size = int.from_bytes(raw[:_HEADER], "little")
+    return torch.load(io.BytesIO(raw[_HEADER : _HEADER + size]), weights_only=True)

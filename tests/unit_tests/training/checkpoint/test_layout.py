@@ -12,7 +12,7 @@ from megatron.bridge.training.checkpoint import layout, manifest
 
 def _fake_save(root: str, iteration: int, payload: bytes) -> None:
     """Write a small checkpoint into the temporary directory, with its manifest, as a save would."""
-    tmp = layout.tmp_dir(root, iteration)
+    tmp = layout.tmp_dir(root, iteration, "a1")
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "__0_0.distcp"), "wb") as f:
         f.write(payload)
@@ -40,10 +40,10 @@ def _visible(root: str) -> tuple:
 def test_commit_publishes_and_tracks(tmp_path):
     root = str(tmp_path)
     _fake_save(root, 5, b"five")
-    layout.commit(root, 5)
+    layout.commit(root, 5, "a1")
     assert layout.read_tracker(root) == 5
     assert layout.committed_iterations(root) == [5]
-    assert not os.path.exists(layout.tmp_dir(root, 5))
+    assert not os.path.exists(layout.tmp_dir(root, 5, "a1"))
     assert manifest.verify_dir(layout.iter_dir(root, 5)) == []
 
 
@@ -55,7 +55,7 @@ _CHILD = textwrap.dedent(
     from megatron.bridge.training.checkpoint import layout
     root, iteration, payload = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
     _fake_save(root, iteration, payload)
-    layout.commit(root, iteration)
+    layout.commit(root, iteration, "a1")
     """
 )
 
@@ -99,8 +99,8 @@ def test_crash_before_commit_leaves_previous(tmp_path):
     root = str(tmp_path)
     assert _commit_in_child(root, 10, b"old-ten", None) == 0
     # A save interrupted while writing: files without a manifest in the temporary directory.
-    os.makedirs(layout.tmp_dir(root, 20))
-    with open(os.path.join(layout.tmp_dir(root, 20), "__0_0.distcp"), "wb") as f:
+    os.makedirs(layout.tmp_dir(root, 20, "b2"))
+    with open(os.path.join(layout.tmp_dir(root, 20, "b2"), "__0_0.distcp"), "wb") as f:
         f.write(b"partial")
     assert _visible(root) == (10, [10], b"old-ten")
 
@@ -109,7 +109,7 @@ def test_retention_keeps_newest_and_protected(tmp_path):
     root = str(tmp_path)
     for it in (1, 2, 3, 4, 5):
         _fake_save(root, it, f"p{it}".encode())
-        layout.commit(root, it)
+        layout.commit(root, it, "a1")
     layout.write_tracker(root, 2)  # pretend the tracker lags: its checkpoint must survive
     deleted = layout.apply_retention(root, keep=2, protect={1})
     assert sorted(deleted) == [3]

@@ -4,16 +4,17 @@ Layout of ``checkpoint.save``::
 
     latest_checkpointed_iteration.txt   the tracker: the iteration of the newest committed checkpoint
     iter_0000100/                       a committed checkpoint (its files and manifest.json)
-    .tmp_iter_0000120/                  a save in progress (never loaded; removed at the next start)
+    .tmp_iter_0000120.<attempt>/        a save in progress (never loaded; removed at the next start)
     .replaced_iter_0000100/             an older copy kept while a re-save at the same iteration commits
     .deleting_iter_0000040/             a checkpoint being deleted by retention
 
 Commit protocol (all file data is already on disk, manifest last):
 
-1. every rank writes into ``.tmp_iter_N``; the manifest is written after all ranks finished;
+1. every rank writes into ``.tmp_iter_N.<attempt>`` (a fresh name per save, so a writer orphaned by a crash can
+   never write into a later save); the manifest is written after all ranks finished;
 2. rank 0 fsyncs the directory tree;
 3. if ``iter_N`` already exists, it is renamed to ``.replaced_iter_N``;
-4. ``.tmp_iter_N`` is renamed to ``iter_N`` and the parent directory fsynced;
+4. ``.tmp_iter_N.<attempt>`` is renamed to ``iter_N`` and the parent directory fsynced;
 5. the tracker is written to a temporary file, fsynced and renamed over the old tracker;
 6. ``.replaced_iter_N`` is deleted.
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
-_TMP_RE = re.compile(r"^\.(tmp|deleting)_iter_(\d{7})$")
+_TMP_RE = re.compile(r"^\.(tmp|deleting)_iter_(\d{7})(\.[\w-]+)?$")
 _REPLACED_RE = re.compile(r"^\.replaced_iter_(\d{7})$")
 
 CRASH_POINTS = (
@@ -70,9 +71,9 @@ def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def tmp_dir(root: str, iteration: int) -> str:
-    """Path a save of ``iteration`` writes into before it is committed."""
-    return os.path.join(root, f".tmp_iter_{iteration:07d}")
+def tmp_dir(root: str, iteration: int, attempt: str) -> str:
+    """Path the save attempt ``attempt`` of ``iteration`` writes into before it is committed."""
+    return os.path.join(root, f".tmp_iter_{iteration:07d}.{attempt}")
 
 
 def _replaced_dir(root: str, iteration: int) -> str:
@@ -130,13 +131,13 @@ def committed_iterations(root: str) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def commit(root: str, iteration: int, rank: int = 0) -> None:
-    """Publish ``.tmp_iter_N`` as ``iter_N`` and point the tracker at it (steps 2-6 of the protocol).
+def commit(root: str, iteration: int, attempt: str, rank: int = 0) -> None:
+    """Publish ``.tmp_iter_N.<attempt>`` as ``iter_N`` and point the tracker at it (steps 2-6 of the protocol).
 
     Call on one rank, after every rank finished writing and the manifest is in place.
     """
     crash_point("after_manifest", rank, iteration)
-    src = tmp_dir(root, iteration)
+    src = tmp_dir(root, iteration, attempt)
     dst = iter_dir(root, iteration)
     fsync_tree(src)
     replaced = None

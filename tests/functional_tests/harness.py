@@ -1,0 +1,139 @@
+"""Run the real training entry point under torchrun (2 ranks, gloo on CPU) and read what it left behind."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRY = REPO / "examples" / "pretrain_tiny_gpt.py"
+_ROOT_CAUSE_RE = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.S)
+_LOSS_RE = re.compile(r"\[rank0\].* iteration (\d+)/\d+ \| consumed samples \d+ \| lm loss (\S+) \|")
+
+# 12 iterations, a checkpoint every 3: small enough for CI, long enough to interrupt and resume.
+BASE = ["train.train_iters=12", "checkpoint.save_interval=3", "checkpoint.most_recent_k=-1"]
+
+
+@dataclass
+class Run:
+    """Outcome of one training launch."""
+
+    returncode: int
+    output: str
+
+    @property
+    def exit_code(self) -> int:
+        """Exit code of the first training process that failed (torchrun itself exits 1 whenever one does).
+
+        torchrun SIGTERMs the other ranks as soon as one exits non-zero, so only the root cause is meaningful.
+        """
+        if self.returncode == 0:
+            return 0
+        match = _ROOT_CAUSE_RE.search(self.output)
+        return int(match.group(1)) if match else self.returncode
+
+    def losses(self) -> dict[int, float]:
+        """The loss rank 0 logged at each iteration."""
+        return {int(m.group(1)): float(m.group(2)) for m in _LOSS_RE.finditer(self.output)}
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_processes_with_marker(marker: str) -> list[int]:
+    """SIGKILL every process whose environment holds ``MBRIDGE_TEST_RUN=<marker>``; return their PIDs.
+
+    A SIGKILLed rank can leave helper processes behind (writers, managers); a test run must not leak them.
+    """
+    needle = f"MBRIDGE_TEST_RUN={marker}".encode()
+    killed = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def torchrun(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300) -> Run:
+    """Train the tiny GPT on 2 ranks with checkpoints in ``ckpt_dir`` and the given dotted overrides."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+        str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides,
+    ]  # fmt: skip
+    marker = uuid.uuid4().hex
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, **(env or {})}
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = -999
+        finally:
+            kill_processes_with_marker(marker)
+            proc.wait()
+        out.seek(0)
+        output = out.read()
+    if returncode == -999:
+        raise AssertionError(f"training did not finish within {timeout} s:\n" + output[-4000:])
+    return Run(returncode, output)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = {}
+        for i, value in enumerate(obj):
+            out.update(_flatten(value, f"{prefix}{i}."))
+        return out
+    return {prefix.rstrip("."): obj}
+
+
+def checkpoint_state(ckpt_dir: Path) -> dict[str, Any]:
+    """Every tensor and value of a committed checkpoint (model, optimizer, RNG, scheduler, progress), flat."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        flat_path = os.path.join(tmp, "flat.pt")
+        dcp_to_torch_save(str(ckpt_dir), flat_path)
+        sharded = torch.load(flat_path, weights_only=False)
+    common = torch.load(ckpt_dir / "common.pt", weights_only=True)
+    return {**_flatten(sharded, "sharded."), **_flatten(common, "common.")}
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Bit-for-bit equality of two :func:`checkpoint_state` results."""
+    assert sorted(a) == sorted(b), set(a) ^ set(b)
+    assert any(k.startswith("sharded.optimizer") for k in a), "optimizer state must be compared too"
+    for key in a:
+        va, vb = a[key], b[key]
+        if isinstance(va, torch.Tensor):
+            assert va.dtype == vb.dtype and va.shape == vb.shape, key
+            assert torch.equal(va, vb), f"{key} differs"
+        else:
+            assert va == vb, f"{key}: {va!r} != {vb!r}"
+
+
+def tail(run: Run, lines: int = 60) -> str:
+    """The end of a run's output, for assertion messages."""
+    return "\n".join(run.output.splitlines()[-lines:])

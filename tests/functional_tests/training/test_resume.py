@@ -1,0 +1,56 @@
+"""Stop and resume: every logged loss and the final model, optimizer and RNG states equal an uninterrupted run."""
+
+import shutil
+
+from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
+
+
+def _assert_resumed_like_reference(first, second, reference, ckpt, reference_ckpt, stop_at=6):
+    ref_losses = reference.losses()
+    assert first.losses() == {i: ref_losses[i] for i in range(1, stop_at + 1)}
+    assert second.losses() == {i: ref_losses[i] for i in range(stop_at + 1, 13)}, tail(second)
+    assert f"at iteration {stop_at}" in second.output
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+def test_resume_is_bit_identical(reference_tp1, interrupted_tp1, interrupted_copy):
+    reference, reference_ckpt = reference_tp1
+    first, _ = interrupted_tp1
+    assert "training stopped at iteration 6: reached train.exit_interval=6" in first.output
+    second = torchrun(interrupted_copy)
+    assert second.returncode == 0, tail(second)
+    _assert_resumed_like_reference(first, second, reference, interrupted_copy, reference_ckpt)
+
+
+def test_resume_with_tensor_parallel_2(tmp_path):
+    tp2 = ("model.tensor_model_parallel_size=2", "train.global_batch_size=4")
+    reference = torchrun(tmp_path / "ref", *tp2)
+    assert reference.returncode == 0, tail(reference)
+    first = torchrun(tmp_path / "ckpt", *tp2, "train.exit_interval=6")
+    assert first.exit_code == 20, tail(first)
+    second = torchrun(tmp_path / "ckpt", *tp2)
+    assert second.returncode == 0, tail(second)
+    assert "tensor parallel 2" in second.output
+    _assert_resumed_like_reference(first, second, reference, tmp_path / "ckpt", tmp_path / "ref")
+
+
+def test_async_save_resume_matches_sync_reference(reference_tp1, tmp_path):
+    reference, reference_ckpt = reference_tp1
+    first = torchrun(tmp_path / "ckpt", "checkpoint.async_save=true", "train.exit_interval=6")
+    assert first.exit_code == 20, tail(first)
+    scheduled = [
+        line for line in first.output.splitlines() if "[rank0]" in line and "Scheduling async checkpoint save" in line
+    ]
+    assert len(scheduled) == 2, scheduled  # iterations 3 and 6
+    assert "finalized async checkpoint save at iteration 6" in first.output
+    second = torchrun(tmp_path / "ckpt", "checkpoint.async_save=true")
+    assert second.returncode == 0, tail(second)
+    _assert_resumed_like_reference(first, second, reference, tmp_path / "ckpt", reference_ckpt)
+
+
+def test_restart_after_completion_does_not_train_again(reference_tp1, tmp_path):
+    shutil.copytree(reference_tp1[1], tmp_path / "ckpt")
+    again = torchrun(tmp_path / "ckpt")
+    assert again.returncode == 0, tail(again)
+    assert again.losses() == {}
+    assert "already at train.train_iters=12" in again.output
