@@ -15,7 +15,7 @@ def runs_dir(tmp_path_factory) -> Path:
 def _reference(root: Path, name: str, *overrides: str) -> tuple[Run, Path]:
     ckpt = root / name
     run = torchrun(ckpt, *overrides)
-    assert run.returncode == 0, tail(run)
+    assert run.exit_code == 0, tail(run)
     assert sorted(run.losses()) == list(range(1, 13)), tail(run)
     return run, ckpt
 

@@ -18,18 +18,18 @@ def test_resume_is_bit_identical(reference_tp1, interrupted_tp1, interrupted_cop
     first, _ = interrupted_tp1
     assert "training stopped at iteration 6: reached train.exit_interval=6" in first.output
     second = torchrun(interrupted_copy)
-    assert second.returncode == 0, tail(second)
+    assert second.exit_code == 0, tail(second)
     _assert_resumed_like_reference(first, second, reference, interrupted_copy, reference_ckpt)
 
 
 def test_resume_with_tensor_parallel_2(tmp_path):
     tp2 = ("model.tensor_model_parallel_size=2", "train.global_batch_size=4")
     reference = torchrun(tmp_path / "ref", *tp2)
-    assert reference.returncode == 0, tail(reference)
+    assert reference.exit_code == 0, tail(reference)
     first = torchrun(tmp_path / "ckpt", *tp2, "train.exit_interval=6")
     assert first.exit_code == 20, tail(first)
     second = torchrun(tmp_path / "ckpt", *tp2)
-    assert second.returncode == 0, tail(second)
+    assert second.exit_code == 0, tail(second)
     assert "tensor parallel 2" in second.output
     _assert_resumed_like_reference(first, second, reference, tmp_path / "ckpt", tmp_path / "ref")
 
@@ -44,13 +44,13 @@ def test_async_save_resume_matches_sync_reference(reference_tp1, tmp_path):
     assert len(scheduled) == 2, scheduled  # iterations 3 and 6
     assert "finalized async checkpoint save at iteration 6" in first.output
     second = torchrun(tmp_path / "ckpt", "checkpoint.async_save=true")
-    assert second.returncode == 0, tail(second)
+    assert second.exit_code == 0, tail(second)
     _assert_resumed_like_reference(first, second, reference, tmp_path / "ckpt", reference_ckpt)
 
 
 def test_restart_after_completion_does_not_train_again(reference_tp1, tmp_path):
     shutil.copytree(reference_tp1[1], tmp_path / "ckpt")
     again = torchrun(tmp_path / "ckpt")
-    assert again.returncode == 0, tail(again)
+    assert again.exit_code == 0, tail(again)
     assert again.losses() == {}
     assert "already at train.train_iters=12" in again.output

@@ -166,6 +166,8 @@ class CheckpointManager:
         self.last_blocking_seconds: float = 0.0
         self.last_finalize_seconds: float = 0.0
         self.last_saved_iteration: Optional[int] = None
+        if cfg.save is not None:
+            _install_writer_results_queue()  # start the writers' helper process now, not inside the first save
         if cfg.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -202,7 +204,6 @@ class CheckpointManager:
         if _rank() == 0:
             os.makedirs(tmp)
         _barrier()
-        _install_writer_results_queue()
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
         request = dist_checkpointing.save(
             sharded_sd, tmp, sharded_strategy=self._save_strategy(), async_sharded_save=self._queue is not None
