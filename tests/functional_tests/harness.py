@@ -61,7 +61,10 @@ def kill_processes_with_marker(marker: str) -> list[int]:
 
 
 def torchrun(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300) -> Run:
-    """Train the tiny GPT on 2 ranks (our torchrun wrapper, which passes exit codes through) with checkpoints in ``ckpt_dir`` and the given dotted overrides."""
+    """Train the tiny GPT on 2 ranks with checkpoints in ``ckpt_dir`` and the given dotted overrides.
+
+    Launched through ``megatron.bridge.launch`` (torchrun that passes the training processes' exit code through).
+    """
     cmd = [
         sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2", f"--master-port={free_port()}",
         str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides,

@@ -9,6 +9,7 @@ Loading recovers what an interrupted save left behind, verifies the candidate ag
 over ranks) and falls back to the next older checkpoint when verification fails.
 """
 
+import functools
 import logging
 import multiprocessing
 import multiprocessing.managers
@@ -129,13 +130,24 @@ def _install_writer_results_queue() -> None:
 
 
 def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
-    """Hash every file of ``ckpt_dir`` with the work split over ranks; the full table on rank 0."""
-    files = _broadcast_from_rank0(manifest.list_files(ckpt_dir) if _rank() == 0 else None)
-    share = manifest.hash_share(ckpt_dir, files, _rank(), _world())
-    merged: dict[str, manifest.FileEntry] = {}
+    """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0."""
+    if _rank() == 0:
+        known = manifest.take_partial_manifests(ckpt_dir)
+        todo = [rel for rel in manifest.list_files(ckpt_dir) if rel not in known]
+    else:
+        known, todo = {}, None
+    todo = _broadcast_from_rank0(todo)
+    share = manifest.hash_share(ckpt_dir, todo, _rank(), _world())
+    merged = dict(known)
     for part in _all_gather(share):
         merged.update(part)
     return merged
+
+
+def _write_then_hash(write_fn: Any, ckpt_dir: str, rank: int, *args: Any, **kwargs: Any) -> None:
+    """Background part of an async save: megatron-core's write, then hashing of this rank's shards."""
+    write_fn(*args, **kwargs)
+    manifest.hash_rank_shards(ckpt_dir, rank)
 
 
 def verify_checkpoint(ckpt_dir: str) -> list[str]:
@@ -166,6 +178,10 @@ class CheckpointManager:
         self.last_blocking_seconds: float = 0.0
         self.last_finalize_seconds: float = 0.0
         self.last_saved_iteration: Optional[int] = None
+        self._strategy: Any = None
+        # Temporary directory names: a run id agreed once plus a counter, so no save needs a collective for it.
+        self._run_id = _broadcast_from_rank0(uuid.uuid4().hex[:8] if _rank() == 0 else None)
+        self._saves = 0
         if cfg.save is not None:
             _install_writer_results_queue()  # start the writers' helper process now, not inside the first save
         if cfg.async_save:
@@ -178,6 +194,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
 
     def _save_strategy(self) -> Any:
+        if self._strategy is not None:
+            return self._strategy  # reused: the fully parallel wrapper caches its work distribution
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
@@ -187,6 +205,7 @@ class CheckpointManager:
             strategy = FullyParallelSaveStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True), True
             )
+        self._strategy = strategy
         return strategy
 
     def save(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
@@ -199,14 +218,18 @@ class CheckpointManager:
         if self._pending is not None:
             self.finalize(blocking=True)  # one save in flight at a time
         start = time.perf_counter()
-        attempt = _broadcast_from_rank0(uuid.uuid4().hex[:8] if _rank() == 0 else None)
+        self._saves += 1
+        attempt = f"{self._run_id}-{self._saves}"
         tmp = layout.tmp_dir(root, iteration, attempt)
-        if _rank() == 0:
-            os.makedirs(tmp)
-        _barrier()
+        os.makedirs(tmp, exist_ok=True)  # every rank, before it writes: no barrier needed
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
         request = dist_checkpointing.save(
-            sharded_sd, tmp, sharded_strategy=self._save_strategy(), async_sharded_save=self._queue is not None
+            sharded_sd,
+            tmp,
+            sharded_strategy=self._save_strategy(),
+            # The sharding layout cannot change within a run: check it (a collective) on the first save only.
+            validate_access_integrity=self._saves == 1,
+            async_sharded_save=self._queue is not None,
         )
         if self._queue is None:
             self._commit(iteration, attempt)
@@ -218,6 +241,7 @@ class CheckpointManager:
                 self.last_blocking_seconds,
             )
             return
+        request = request._replace(async_fn=functools.partial(_write_then_hash, request.async_fn, tmp, _rank()))
         request.add_finalize_fn(lambda: self._commit(iteration, attempt))
         self._queue.schedule_async_request(request)
         self._pending = iteration

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 from typing import Optional
 
 logger = logging.getLogger(__name__)
@@ -207,8 +208,10 @@ def apply_retention(root: str, keep: int, protect: set[int]) -> list[int]:
         # Rename first so that a crash mid-delete never leaves a partial iter_N behind.
         doomed = os.path.join(root, f".deleting_iter_{iteration:07d}")
         os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
         deleted.append(iteration)
+        # Deleting a large checkpoint can take seconds on a shared file system: not on the training path.
+        # If the process dies first, recover() finishes the job.
+        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="ckpt-retention", daemon=True).start()
     if deleted:
         logger.info("retention (most_recent_k=%d): deleted checkpoints at iterations %s", keep, deleted)
     return deleted

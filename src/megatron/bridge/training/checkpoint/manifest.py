@@ -14,6 +14,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+PARTIAL_PREFIX = ".partial_manifest_rank"
 MANIFEST_VERSION = 1
 _CHUNK = 8 * 1024 * 1024
 
@@ -43,7 +44,7 @@ def list_files(ckpt_dir: str) -> list[str]:
     for root, _, files in os.walk(ckpt_dir):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), ckpt_dir)
-            if rel != MANIFEST_NAME:
+            if rel != MANIFEST_NAME and not name.startswith(PARTIAL_PREFIX):
                 found.append(rel)
     return sorted(found)
 
@@ -51,6 +52,39 @@ def list_files(ckpt_dir: str) -> list[str]:
 def hash_share(ckpt_dir: str, files: list[str], rank: int, world_size: int) -> dict[str, FileEntry]:
     """Hash this rank's share ``files[rank::world_size]`` of the checkpoint's files."""
     return {rel: hash_file(os.path.join(ckpt_dir, rel)) for rel in files[rank::world_size]}
+
+
+def hash_rank_shards(ckpt_dir: str, rank: int) -> None:
+    """Hash the shard files ``rank`` wrote (``__<rank>_*.distcp``) into a partial manifest next to them.
+
+    Runs in the background checkpoint writer right after it wrote them, so the commit does not re-read them.
+    """
+    prefix = f"__{rank}_"
+    entries = {
+        name: hash_file(os.path.join(ckpt_dir, name))
+        for name in sorted(os.listdir(ckpt_dir))
+        if name.startswith(prefix) and name.endswith(".distcp")
+    }
+    path = os.path.join(ckpt_dir, f"{PARTIAL_PREFIX}{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({rel: [e.size, e.sha256] for rel, e in entries.items()}, f)
+    os.replace(path + ".tmp", path)
+
+
+def take_partial_manifests(ckpt_dir: str) -> dict[str, FileEntry]:
+    """Read and delete the partial manifests in ``ckpt_dir``; entries whose file changed size are dropped."""
+    entries: dict[str, FileEntry] = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        if not name.startswith(PARTIAL_PREFIX):
+            continue
+        path = os.path.join(ckpt_dir, name)
+        if name.endswith(".json"):
+            with open(path) as f:
+                for rel, (size, sha) in json.load(f).items():
+                    if os.path.getsize(os.path.join(ckpt_dir, rel)) == size:
+                        entries[rel] = FileEntry(size=size, sha256=sha)
+        os.remove(path)
+    return entries
 
 
 def write_manifest(ckpt_dir: str, iteration: int, entries: dict[str, FileEntry]) -> str:
