@@ -65,10 +65,24 @@ def torchrun(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: 
 
     Launched through ``megatron.bridge.launch`` (torchrun that passes the training processes' exit code through).
     """
-    cmd = [
-        sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2", f"--master-port={free_port()}",
-        str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides,
+    launcher = [sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    return launch(launcher, ckpt_dir, *overrides, env=env, timeout=timeout)
+
+
+def ft_launcher(
+    ckpt_dir: Path, *overrides: str, max_restarts: int = 0, env: dict | None = None, timeout: float = 300
+) -> Run:
+    """Like :func:`torchrun`, launched by nvidia-resiliency-ext's ``ft_launcher`` with in-job restarts."""
+    launcher = [
+        str(Path(sys.executable).parent / "ft_launcher"), "--nproc-per-node=2", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
     ]  # fmt: skip
+    return launch(launcher, ckpt_dir, *overrides, env=env, timeout=timeout)
+
+
+def launch(launcher: list[str], ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300) -> Run:
+    """Run ``launcher`` on the tiny GPT entry script with checkpoints in ``ckpt_dir``."""
+    cmd = [*launcher, str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides]
     marker = uuid.uuid4().hex
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, **(env or {})}
     with tempfile.TemporaryFile(mode="w+") as out:

@@ -23,7 +23,8 @@ every load: it deletes ``.tmp_iter_*`` and ``.deleting_iter_*``, and restores ``
 ``iter_N`` is missing.
 
 For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>]]`` SIGKILLs the process at a named point
-of the protocol (see :data:`CRASH_POINTS`), on one rank and at one iteration's save when given.
+of the protocol (see :data:`CRASH_POINTS`), on one rank and at one iteration's save when given, in the first
+attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that an in-job restart can recover.
 """
 
 import logging
@@ -54,7 +55,7 @@ CRASH_POINTS = (
 def crash_point(name: str, rank: int, iteration: int) -> None:
     """SIGKILL this process if ``$MBRIDGE_CKPT_CRASH_AT`` names this point (rank, iteration). For fault drills."""
     spec = os.environ.get("MBRIDGE_CKPT_CRASH_AT")
-    if not spec:
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     point, only_rank, only_iteration = (spec.split(":") + ["", ""])[:3]
     if (
