@@ -54,3 +54,11 @@ def test_restart_after_completion_does_not_train_again(reference_tp1, tmp_path):
     assert again.exit_code == 0, tail(again)
     assert again.losses() == {}
     assert "already at train.train_iters=12" in again.output
+
+
+def test_duration_limit_saves_and_exits_for_requeue(tmp_path):
+    run = torchrun(tmp_path / "ckpt", "train.exit_duration_in_mins=0.0001")
+    assert run.exit_code == 19, tail(run)
+    assert "ran train.exit_duration_in_mins=0.0001" in run.output
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert run.losses().keys() == {1}

@@ -233,21 +233,17 @@ class CheckpointManager:
         )
         if self._queue is None:
             self._commit(iteration, attempt)
-            self.last_blocking_seconds = time.perf_counter() - start
-            logger.info(
-                "saved checkpoint at iteration %d to %s (blocking %.3f s)",
-                iteration,
-                layout.iter_dir(root, iteration),
-                self.last_blocking_seconds,
-            )
-            return
-        request = request._replace(async_fn=functools.partial(_write_then_hash, request.async_fn, tmp, _rank()))
-        request.add_finalize_fn(lambda: self._commit(iteration, attempt))
-        self._queue.schedule_async_request(request)
-        self._pending = iteration
+            what = "saved checkpoint"
+        else:
+            request = request._replace(async_fn=functools.partial(_write_then_hash, request.async_fn, tmp, _rank()))
+            request.add_finalize_fn(lambda: self._commit(iteration, attempt))
+            self._queue.schedule_async_request(request)
+            self._pending = iteration
+            what = "Scheduling async checkpoint save"
         self.last_blocking_seconds = time.perf_counter() - start
         logger.info(
-            "Scheduling async checkpoint save at iteration %d to %s (blocking %.3f s)",
+            "%s at iteration %d to %s (blocking %.3f s)",
+            what,
             iteration,
             layout.iter_dir(root, iteration),
             self.last_blocking_seconds,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib
 import logging
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -260,11 +260,6 @@ _SHIMS: dict[str, Callable[[], None]] = {
     "dist_checkpointing": _shim_dist_checkpointing,
     "rerun_state_machine": _shim_rerun_state_machine,
 }
-
-
-def iter_shim_names() -> Iterator[str]:
-    """Yield the names of the available shims, in application order."""
-    yield from _SHIMS
 
 
 def apply_cpu_shims() -> None:

@@ -1,0 +1,32 @@
+"""The CPU shims patch only the upstream modules they name, only without CUDA, and only once."""
+
+import pytest
+import torch
+
+from megatron.bridge.utils import cpu_shims
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shims are for machines without CUDA")
+def test_shims_answer_cuda_queries_on_cpu():
+    cpu_shims.apply_cpu_shims()
+    cpu_shims.apply_cpu_shims()  # idempotent
+    import megatron.core.utils as mcore_utils
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    assert mcore_utils.torch.cuda.current_device() == torch.device("cpu")
+    assert mcore_utils.torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.cuda.current_device.__module__ == "torch.cuda"  # the global torch is untouched
+    state = mcore_random._get_cuda_rng_state()
+    a = torch.rand(3)
+    mcore_random._set_cuda_rng_state(state)
+    assert torch.equal(a, torch.rand(3)), "the tracked state is the CPU generator's"
+
+
+def test_nothing_is_patched_when_cuda_is_present(monkeypatch):
+    monkeypatch.setattr(cpu_shims, "_APPLIED", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    called = []
+    monkeypatch.setattr(cpu_shims, "_SHIMS", {"probe": lambda: called.append(1)})
+    cpu_shims.apply_cpu_shims()
+    assert called == []
+    assert cpu_shims.use_persistent_async_worker() is True
