@@ -102,6 +102,16 @@ def test_nccl_rejected_without_cuda():
         cfg.validate(world_size=1)
 
 
+def test_bf16_rejected_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: bf16 is valid here")
+    cfg = apply_overrides(ConfigContainer(), ["model.params_dtype=bfloat16"])
+    with pytest.raises(ValueError, match=r"^model\.params_dtype: bfloat16 needs CUDA"):
+        cfg.validate(world_size=1)
+
+
 def test_tensor_parallel_two_is_valid():
     cfg = apply_overrides(ConfigContainer(), ["model.tensor_model_parallel_size=2", "train.global_batch_size=4"])
     cfg.validate(world_size=2)

@@ -37,15 +37,20 @@ def build_gpt_model(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    config = transformer_config(cfg, device)
     model = GPTModel(
-        config=transformer_config(cfg, device),
+        config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type="learned_absolute",
-    )
-    return model.to(device)
+    ).to(device)
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)  # bf16 compute, fp32 logits out, as megatron-core expects
+    return model
 
 
 def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -454,6 +454,12 @@ def _validate_runtime(cfg: ConfigContainer) -> None:
         _fail("dist.backend", f"unknown backend {backend!r}", 'use "gloo", "nccl" or leave it unset')
     if backend == "nccl" and not torch.cuda.is_available():
         _fail("dist.backend", "nccl needs CUDA, which is not available here", "leave dist.backend unset (gloo)")
+    if cfg.model.params_dtype == "bfloat16" and not torch.cuda.is_available():
+        _fail(
+            "model.params_dtype",
+            "bfloat16 needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA tensors)",
+            'use "float32" on a machine without a GPU',
+        )
     if cfg.dist.distributed_timeout_minutes < 1:
         _fail(
             "dist.distributed_timeout_minutes",
