@@ -67,8 +67,11 @@ INVALID = [
     (["dist.distributed_timeout_minutes=0"], 1, "dist.distributed_timeout_minutes"),
     (["logger.log_interval=0"], 1, "logger.log_interval"),
     (["dataset.num_workers=-1"], 1, "dataset.num_workers"),
-    (["ft.enable_ft_package=true"], 1, "ft.enable_ft_package"),
+    (["ft.enable_ft_package=true"], 1, "ft.enable_ft_package"),  # not under ft_launcher
     (["ft.simulate_fault=true"], 1, "ft.simulate_fault"),
+    (["ft.simulated_fault_type=rank_slow"], 1, "ft.simulated_fault_type"),
+    (["ft.simulated_fault_rank=2"], 2, "ft.simulated_fault_rank"),
+    (["ft.simulated_fault_base_delay=-1"], 1, "ft.simulated_fault_base_delay"),
     (["nvrx_straggler.enabled=true"], 1, "nvrx_straggler.enabled"),
     (["inprocess_restart.enabled=true"], 1, "inprocess_restart.enabled"),
     (["rerun_state_machine.rerun_mode=validate_results"], 1, "rerun_state_machine.rerun_mode"),
@@ -100,6 +103,19 @@ def test_nccl_rejected_without_cuda():
     cfg = apply_overrides(ConfigContainer(), ["dist.backend=nccl"])
     with pytest.raises(ValueError, match=r"^dist\.backend:"):
         cfg.validate(world_size=1)
+
+
+def test_ft_valid_under_ft_launcher(monkeypatch):
+    monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/tmp/rmon.sock")
+    cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true", "ft.simulate_fault=true"])
+    cfg.validate(world_size=2)
+
+
+def test_ft_outside_ft_launcher_says_what_to_do(monkeypatch):
+    monkeypatch.delenv("FT_RANK_MONITOR_IPC_SOCKET", raising=False)
+    cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true"])
+    with pytest.raises(ValueError, match="launch with ft_launcher"):
+        cfg.validate(world_size=2)
 
 
 def test_bf16_rejected_without_cuda():

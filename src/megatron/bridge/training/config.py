@@ -315,6 +315,7 @@ class ConfigContainer:
         _validate_optimizer(self.optimizer, self.scheduler, self.train)
         _validate_checkpoint(self.checkpoint)
         _validate_runtime(self)
+        _validate_fault_tolerance(self.ft, world_size)
         _validate_not_yet_supported(self)
 
 
@@ -472,11 +473,40 @@ def _validate_runtime(cfg: ConfigContainer) -> None:
         _fail("dataset.num_workers", f"must be >= 0, got {cfg.dataset.num_workers}", "use 0 or more workers")
 
 
+def _validate_fault_tolerance(ft: FaultToleranceConfig, world_size: int) -> None:
+    if ft.enable_ft_package and not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
+        _fail(
+            "ft.enable_ft_package",
+            "no rank monitor to report to ($FT_RANK_MONITOR_IPC_SOCKET is unset): this process was not started by "
+            "ft_launcher, and under torchrun fault tolerance would silently do nothing",
+            "launch with ft_launcher (same arguments as torchrun plus --ft-rank-section-timeouts=setup:600,"
+            "step:180,checkpointing:420 --ft-rank-out-of-section-timeout=300), or set ft.enable_ft_package=false",
+        )
+    if ft.simulate_fault and not ft.enable_ft_package:
+        _fail("ft.simulate_fault", "needs fault tolerance to detect the fault", "also set ft.enable_ft_package=true")
+    if ft.simulated_fault_type not in ("rank_hung", "rank_killed", "random"):
+        _fail(
+            "ft.simulated_fault_type",
+            f"unknown type {ft.simulated_fault_type!r}",
+            'use "rank_hung", "rank_killed" or "random"',
+        )
+    if ft.simulated_fault_rank is not None and not 0 <= ft.simulated_fault_rank < world_size:
+        _fail(
+            "ft.simulated_fault_rank",
+            f"{ft.simulated_fault_rank} is not a rank of a world of {world_size}",
+            f"use 0..{world_size - 1} or null for a random rank",
+        )
+    if ft.simulated_fault_base_delay < 0:
+        _fail(
+            "ft.simulated_fault_base_delay",
+            f"must be >= 0, got {ft.simulated_fault_base_delay}",
+            "use a delay in seconds",
+        )
+
+
 def _validate_not_yet_supported(cfg: ConfigContainer) -> None:
     """Reject features whose configuration exists but whose runtime this version does not have."""
     enabled = {
-        "ft.enable_ft_package": cfg.ft.enable_ft_package,
-        "ft.simulate_fault": cfg.ft.simulate_fault,
         "nvrx_straggler.enabled": cfg.nvrx_straggler.enabled,
         "inprocess_restart.enabled": cfg.inprocess_restart.enabled,
         "rerun_state_machine.rerun_mode": cfg.rerun_state_machine.rerun_mode != "disabled",

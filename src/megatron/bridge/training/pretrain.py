@@ -1,6 +1,7 @@
 """Entry point: ``pretrain(cfg, forward_step_func)`` and the command-line wrapper used by the example scripts."""
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -11,6 +12,8 @@ import torch.distributed as dist
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.fault_injection import StepFaults
+from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.initialize import (
     destroy_distributed,
     initialize_distributed,
@@ -46,10 +49,13 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
     from megatron.bridge.data.mock import build_data_iterator
     from megatron.bridge.models.gpt import build_gpt_model
 
-    device = initialize_distributed(cfg)
-    checkpoints = CheckpointManager(cfg.checkpoint)
-    metrics = MetricsWriter(cfg.logger, dist.get_rank())
+    ft = FaultTolerance(cfg, rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    ft.on_setup_start()
+    checkpoints = metrics = None
     try:
+        device = initialize_distributed(cfg)
+        checkpoints = CheckpointManager(cfg.checkpoint)
+        metrics = MetricsWriter(cfg.logger, dist.get_rank())
         set_seeds(cfg.rng.seed)
         model = wrap_data_parallel(build_gpt_model(cfg.model, device))
         optimizer = build_optimizer(cfg, model)
@@ -79,15 +85,22 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             forward_step_func=forward_step_func,
             checkpoints=checkpoints,
             metrics=metrics,
+            ft=ft,
+            faults=StepFaults(dist.get_rank()),
             start_time=start_time,
         )
+        ft.on_setup_end()
         code, reason = train(ctx)
         checkpoints.close()
+        ft.on_train_end(finished=code == ExitCode.FINISHED)
         logger.info("training stopped at iteration %d: %s (exit code %d)", state.iteration, reason, int(code))
         return code
     finally:
-        metrics.close()
-        checkpoints.close()
+        if metrics is not None:
+            metrics.close()
+        if checkpoints is not None:
+            checkpoints.close()
+        ft.shutdown()
         destroy_distributed()
 
 

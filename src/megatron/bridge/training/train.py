@@ -3,11 +3,12 @@
 Order of events in one iteration (features hook in at these moments, with their logic in their own modules):
 
 1. commit async checkpoint saves that finished on every rank;
-2. forward and backward over the micro-batches, optimizer and scheduler step;
-3. log metrics;
-4. decide whether to stop (``exit_interval``, ``exit_duration_in_mins``, end of training);
-5. save a checkpoint when the interval is reached or training stops;
-6. stop with the exit code of the reason.
+2. fault tolerance: open the ``step`` section; fault drills strike here;
+3. forward and backward over the micro-batches, optimizer and scheduler step; close the ``step`` section;
+4. log metrics;
+5. decide whether to stop (``exit_interval``, ``exit_duration_in_mins``, end of training);
+6. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops;
+7. stop with the exit code of the reason.
 """
 
 import logging
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.fault_injection import StepFaults
+from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.state import TrainState
 
@@ -41,6 +44,8 @@ class TrainContext:
     forward_step_func: Callable
     checkpoints: CheckpointManager
     metrics: MetricsWriter
+    ft: FaultTolerance
+    faults: StepFaults
     start_time: float
 
 
@@ -121,13 +126,18 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     while True:
         ctx.checkpoints.finalize(blocking=False)
         log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
+        ctx.ft.on_step_start()
+        ctx.faults.before_step(ctx.state.iteration + 1)
         metrics = train_step(ctx, log_this_step)
+        ctx.ft.on_step_end()
         ctx.state.iteration += 1
         ctx.state.consumed_train_samples += cfg.train.global_batch_size
         if log_this_step:
             ctx.metrics.log_step(ctx.state.iteration, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
         stop = exit_condition(ctx)
         if _should_save(ctx, stopping=stop is not None):
+            ctx.ft.on_checkpoint_start()
             ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
+            ctx.ft.on_checkpoint_end()
         if stop is not None:
             return stop

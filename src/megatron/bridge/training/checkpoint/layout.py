@@ -22,9 +22,10 @@ A crash between any two steps leaves either the old state or the new one for :fu
 every load: it deletes ``.tmp_iter_*`` and ``.deleting_iter_*``, and restores ``.replaced_iter_N`` when
 ``iter_N`` is missing.
 
-For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>]]`` SIGKILLs the process at a named point
-of the protocol (see :data:`CRASH_POINTS`), on one rank and at one iteration's save when given, in the first
-attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that an in-job restart can recover.
+For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>[:hang]]]`` SIGKILLs the process (or, with
+``hang``, stops it with SIGSTOP) at a named point of the protocol (see :data:`CRASH_POINTS`), on one rank and at one
+iteration's save when given, in the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that
+an in-job restart can recover.
 """
 
 import logging
@@ -57,15 +58,17 @@ def crash_point(name: str, rank: int, iteration: int) -> None:
     spec = os.environ.get("MBRIDGE_CKPT_CRASH_AT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    point, only_rank, only_iteration = (spec.split(":") + ["", ""])[:3]
+    point, only_rank, only_iteration, action = (spec.split(":") + ["", "", ""])[:4]
     if (
         point == name
         and (not only_rank or int(only_rank) == rank)
         and (not only_iteration or int(only_iteration) == iteration)
     ):
-        logger.error("fault injection: SIGKILL at checkpoint point %r on rank %d, iteration %d", name, rank, iteration)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
+        how = "SIGSTOP" if action == "hang" else "SIGKILL"
+        logger.error("fault injection: %s at checkpoint point %r on rank %d, iteration %d", how, name, rank, iteration)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGSTOP if action == "hang" else signal.SIGKILL)
 
 
 def iter_dir(root: str, iteration: int) -> str:

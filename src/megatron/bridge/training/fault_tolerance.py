@@ -1,0 +1,218 @@
+"""Hang and crash detection through nvidia-resiliency-ext's rank monitor (the process must run under ft_launcher).
+
+Each rank reports sections to its rank monitor: ``setup`` (process start to the loaded checkpoint), ``step``
+(one training iteration), ``checkpointing`` (one save), and implicitly the time out of any section. When a section
+stays open longer than its timeout, the monitor kills the rank and ft_launcher restarts the workers, which resume
+from the newest verified checkpoint. Launch with matching section names::
+
+    ft_launcher --ft-rank-section-timeouts=setup:600,step:180,checkpointing:420 \
+        --ft-rank-out-of-section-timeout=300 ...
+
+If the launcher was given no timeouts for these sections, heartbeats (one per step) are sent instead.
+
+With ``ft.calc_ft_timeouts``, timeouts are computed from what this run observed after every checkpoint save,
+written atomically to ``ft_state.json`` in the save directory, and loaded from the load directory by the next run.
+"""
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from typing import Optional
+
+from megatron.bridge.training.config import ConfigContainer
+
+logger = logging.getLogger(__name__)
+
+SECTIONS = ("setup", "step", "checkpointing")
+STATE_FILE = "ft_state.json"
+RANK_MONITOR_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "off" if value is None else f"{value:.1f}s"
+
+
+class FaultTolerance:
+    """The rank-monitor client of one training process; every method is a no-op when FT is disabled."""
+
+    def __init__(self, cfg: ConfigContainer, rank: int, world_size: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.enabled = cfg.ft.enable_ft_package
+        self._client = None
+        self._use_sections = False
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def on_setup_start(self) -> None:
+        """Connect to the rank monitor, restore learned timeouts and open the ``setup`` section."""
+        if not self.enabled:
+            return
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+        self._client = RankMonitorClient()
+        state = self._read_state()
+        if state is not None:
+            self._client.load_state_dict(state)
+        self._client.init_workload_monitoring()
+        configured = self._client.section_timeouts.section
+        self._use_sections = all(name in configured for name in SECTIONS)
+        if self._use_sections:
+            self._client.start_section("setup")
+        else:
+            logger.warning(
+                "[FaultTolerance] ft_launcher has no timeouts for sections %s (got %s); sending heartbeats instead. "
+                "For section monitoring launch with --ft-rank-section-timeouts=setup:600,step:180,checkpointing:420",
+                list(SECTIONS),
+                sorted(configured),
+            )
+            self._client.send_heartbeat()
+        self._log_timeouts("loaded from " + STATE_FILE if state else "from the launcher")
+
+    def on_setup_end(self) -> None:
+        """Close the ``setup`` section (the checkpoint is loaded, training starts) and arm a simulated fault."""
+        if not self.enabled:
+            return
+        if self._use_sections:
+            self._client.end_section("setup")
+        if self.cfg.ft.simulate_fault:
+            self._arm_simulated_fault()
+
+    def on_step_start(self) -> None:
+        """Open the ``step`` section."""
+        if self.enabled and self._use_sections:
+            self._client.start_section("step")
+
+    def on_step_end(self) -> None:
+        """Close the ``step`` section (or send a heartbeat)."""
+        if not self.enabled:
+            return
+        if self._use_sections:
+            self._client.end_section("step")
+        else:
+            self._client.send_heartbeat()
+
+    def on_checkpoint_start(self) -> None:
+        """Open the ``checkpointing`` section."""
+        if self.enabled and self._use_sections:
+            self._client.start_section("checkpointing")
+
+    def on_checkpoint_end(self) -> None:
+        """Close the ``checkpointing`` section; with ``calc_ft_timeouts`` update and persist the timeouts."""
+        if not self.enabled:
+            return
+        if self._use_sections:
+            self._client.end_section("checkpointing")
+        if self.cfg.ft.calc_ft_timeouts:
+            self._update_timeouts()
+
+    def on_train_end(self, finished: bool) -> None:
+        """Record that training completed, so a Slurm job wrapper stops requeueing it.
+
+        nemo_run's fault-tolerant Slurm script requeues the job after every run unless the file named by
+        ``$FAULT_TOL_FINISHED_FLAG_FILE`` exists.
+        """
+        flag = os.environ.get("FAULT_TOL_FINISHED_FLAG_FILE")
+        if finished and flag and self.rank == 0:
+            with open(flag, "w") as f:
+                f.write("training finished\n")
+            logger.info("[FaultTolerance] wrote %s: the job will not be requeued", flag)
+
+    def shutdown(self) -> None:
+        """Disconnect from the rank monitor (after training ended normally)."""
+        if self._client is not None:
+            if self._use_sections:
+                self._client.end_all_sections()
+            self._client.shutdown_workload_monitoring()
+            self._client = None
+
+    # ----------------------------------------------------------------- timeouts
+
+    def _update_timeouts(self) -> None:
+        """Compute timeouts from observed times (a collective: all ranks call it at the same save)."""
+        if self._use_sections:
+            ok = self._client.calculate_and_set_section_timeouts(skip_if_not_ready=True)
+        else:
+            ok = self._client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+        if ok:
+            self._log_timeouts("calculated")
+            self._write_state()
+
+    def _log_timeouts(self, origin: str) -> None:
+        if self.rank != 0:
+            return
+        if self._use_sections:
+            st = self._client.section_timeouts
+            logger.info(
+                "[FaultTolerance] section timeouts (%s): %s, out-of-section=%s",
+                origin,
+                ", ".join(f"{name}={_fmt(st.section.get(name))}" for name in SECTIONS),
+                _fmt(st.out_of_section),
+            )
+        else:
+            hb = self._client.hb_timeouts
+            logger.info(
+                "[FaultTolerance] heartbeat timeouts (%s): initial=%s, subsequent=%s",
+                origin,
+                _fmt(hb.initial),
+                _fmt(hb.subsequent),
+            )
+
+    def _read_state(self) -> Optional[dict]:
+        directory = self.cfg.checkpoint.load or self.cfg.checkpoint.save
+        if not (self.cfg.ft.calc_ft_timeouts and directory):
+            return None
+        path = os.path.join(directory, STATE_FILE)
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            logger.warning("[FaultTolerance] ignoring unreadable %s: %s", path, err)
+            return None
+
+    def _write_state(self) -> None:
+        directory = self.cfg.checkpoint.save
+        if self.rank != 0 or not directory:
+            return
+        path = os.path.join(directory, STATE_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self._client.state_dict(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # ----------------------------------------------------------------- simulated faults
+
+    def _arm_simulated_fault(self) -> None:
+        """Start a timer that hangs or kills the chosen rank ``simulated_fault_base_delay`` seconds from now.
+
+        Only in the first attempt of a job, so that the restarted workers can finish.
+        """
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        ft = self.cfg.ft
+        chooser = random.Random(self.cfg.rng.seed)  # the same choice on every rank
+        rank = ft.simulated_fault_rank if ft.simulated_fault_rank is not None else chooser.randrange(self.world_size)
+        kind = ft.simulated_fault_type
+        if kind == "random":
+            kind = chooser.choice(["rank_hung", "rank_killed"])
+        if self.rank != rank:
+            return
+        delay = float(ft.simulated_fault_base_delay)
+        logger.warning("[FaultTolerance] simulated fault %s armed on rank %d in %.1f s", kind, rank, delay)
+        sig = signal.SIGSTOP if kind == "rank_hung" else signal.SIGKILL
+
+        def strike() -> None:
+            time.sleep(delay)
+            logger.error("[FaultTolerance] simulating %s on rank %d now", kind, rank)
+            os.kill(os.getpid(), sig)
+
+        threading.Thread(target=strike, name="ft-simulated-fault", daemon=True).start()

@@ -1,0 +1,66 @@
+"""Fault tolerance drills under a real ft_launcher: hang, kill, exception, hung save, learned timeouts, budget."""
+
+import json
+import re
+
+import pytest
+from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail
+
+FT = "ft.enable_ft_package=true"
+
+
+@pytest.mark.parametrize(
+    "env,detected",
+    [
+        ({"MBRIDGE_FAULTS": "hang@8:1"}, "Section 'step' has been open"),
+        ({"MBRIDGE_FAULTS": "kill@8:1"}, "failed (exitcode: -9) local_rank: 1"),
+        ({"MBRIDGE_FAULTS": "exception@8:0"}, "RuntimeError: fault injection: exception at iteration 8"),
+        ({"MBRIDGE_CKPT_CRASH_AT": "during_write:1:6:hang"}, "Section 'checkpointing' has been open"),
+    ],
+    ids=["hang-in-step", "rank-killed", "python-exception", "hang-in-save"],
+)
+def test_fault_detected_restarted_resumed_identical(reference_tp1, tmp_path, env, detected):
+    reference, reference_ckpt = reference_tp1
+    ckpt = tmp_path / "ckpt"
+    run = ft_launcher(ckpt, FT, max_restarts=2, env=env)
+    assert run.exit_code == 0, tail(run, 120)
+    assert "fault injection:" in run.output
+    assert detected in run.output, tail(run, 120)
+    assert "will restart worker group" in run.output
+    loads = re.findall(r"\[rank0\].*successfully loaded verified checkpoint \S+ at iteration (\d+)", run.output)
+    assert loads == ["3"] if "CKPT" in next(iter(env)) else loads == ["6"], loads
+    ref_losses = reference.losses()
+    assert all(run.losses()[i] == ref_losses[i] for i in range(9, 13))
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+def test_calculated_timeouts_are_saved_and_loaded(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=6")
+    assert first.exit_code == 0, tail(first)
+    assert "[FaultTolerance] section timeouts (from the launcher): setup=90.0s, step=6.0s" in first.output
+    assert "[FaultTolerance] section timeouts (calculated)" in first.output
+    state = json.loads((ckpt / "ft_state.json").read_text())["current_timeouts"]["section"]
+    learned = {name: state["section"][name] for name in ("setup", "step", "checkpointing")}
+    assert all(0 < value < 90 for value in learned.values()), learned
+
+    second = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=9")
+    assert second.exit_code == 0, tail(second)
+    expected = ", ".join(f"{name}={learned[name]:.1f}s" for name in ("setup", "step", "checkpointing"))
+    assert f"[FaultTolerance] section timeouts (loaded from ft_state.json): {expected}" in second.output
+
+
+def test_restart_budget_is_bounded(tmp_path):
+    run = ft_launcher(tmp_path / "ckpt", FT, max_restarts=2, env={"MBRIDGE_FAULTS": "kill@2:1:always"})
+    assert run.exit_code != 0, tail(run)
+    assert run.output.count("fault injection: kill at iteration 2") == 3  # first attempt + 2 restarts, then stop
+    assert "Some rank(s) exited with non-zero exit code" in run.output, tail(run, 80)
+
+
+def test_ft_under_torchrun_fails_fast_with_instructions(tmp_path):
+    from tests.functional_tests.harness import torchrun
+
+    run = torchrun(tmp_path / "ckpt", FT)
+    assert run.exit_code == 2, tail(run)
+    assert "ft.enable_ft_package: no rank monitor to report to" in run.output
+    assert "launch with ft_launcher" in run.output
