@@ -60,12 +60,14 @@ def kill_processes_with_marker(marker: str) -> list[int]:
     return killed
 
 
-def torchrun(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300) -> Run:
+def torchrun(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300, nproc: int = 2) -> Run:
     """Train the tiny GPT on 2 ranks with checkpoints in ``ckpt_dir`` and the given dotted overrides.
 
     Launched through ``megatron.bridge.launch`` (torchrun that passes the training processes' exit code through).
     """
-    launcher = [sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    launcher = [
+        sys.executable, "-m", "megatron.bridge.launch", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+    ]  # fmt: skip
     return launch(launcher, ckpt_dir, *overrides, env=env, timeout=timeout)
 
 

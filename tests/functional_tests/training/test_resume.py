@@ -62,3 +62,11 @@ def test_duration_limit_saves_and_exits_for_requeue(tmp_path):
     assert "ran train.exit_duration_in_mins=0.0001" in run.output
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert run.losses().keys() == {1}
+
+
+def test_resume_on_a_different_world_size(interrupted_copy):
+    run = torchrun(interrupted_copy, nproc=1)
+    assert run.exit_code == 0, tail(run)
+    assert "successfully loaded verified checkpoint" in run.output and "at iteration 6" in run.output
+    assert "random generators are re-seeded, not restored" in run.output
+    assert sorted(run.losses()) == list(range(7, 13))

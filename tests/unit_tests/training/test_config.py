@@ -37,6 +37,14 @@ INVALID = [
     (["model.attention_dropout=-0.1"], 1, "model.attention_dropout"),
     (["model.params_dtype=float16"], 1, "model.params_dtype"),
     (["train.train_iters=0"], 1, "train.train_iters"),
+    (["train.global_batch_size=0"], 1, "train.global_batch_size"),
+    (["model.ffn_hidden_size=0"], 1, "model.ffn_hidden_size"),
+    (["scheduler.lr_decay_iters=0"], 1, "scheduler.lr_decay_iters"),
+    (["checkpoint.exit_on_missing_checkpoint=true"], 1, "checkpoint.exit_on_missing_checkpoint"),
+    (["checkpoint.non_persistent_save_interval=5"], 1, "checkpoint.non_persistent_save_interval"),
+    (["checkpoint.non_persistent_local_ckpt_dir=/tmp/l"], 1, "checkpoint.non_persistent_local_ckpt_dir"),
+    (["rng.seed=-1"], 1, "rng.seed"),
+    (["logger.log_level=VERBOSE"], 1, "logger.log_level"),
     (["train.micro_batch_size=0"], 1, "train.micro_batch_size"),
     (["train.global_batch_size=6"], 2, "train.global_batch_size"),
     (["train.exit_interval=0"], 1, "train.exit_interval"),
@@ -116,6 +124,13 @@ def test_ft_outside_ft_launcher_says_what_to_do(monkeypatch):
     cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true"])
     with pytest.raises(ValueError, match="launch with ft_launcher"):
         cfg.validate(world_size=2)
+
+
+def test_exit_signal_that_is_no_signal():
+    cfg = ConfigContainer()
+    cfg.train.exit_signal = 999  # set in Python; a dotted override is already rejected by the parser
+    with pytest.raises(ValueError, match=r"^train\.exit_signal: 999 is not a signal"):
+        cfg.validate(world_size=1)
 
 
 def test_bf16_rejected_without_cuda():

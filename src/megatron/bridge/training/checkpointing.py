@@ -17,6 +17,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -68,6 +69,21 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 only and share its result; if it raised, raise on every rank (no rank left waiting)."""
+    outcome: tuple[bool, Any] = (True, None)
+    if _rank() == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            logger.exception("checkpoint step failed on rank 0")
+            outcome = (False, f"{type(err).__name__}: {err}")
+    ok, value = _broadcast_from_rank0(outcome)
+    if not ok:
+        raise RuntimeError(f"checkpoint step failed on rank 0: {value}")
+    return value
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The megatron-core module inside a DDP wrapper."""
     return getattr(model, "module", model)
@@ -98,6 +114,7 @@ def _sharded_state_dict(
         "opt_param_scheduler": scheduler.state_dict(),
         "train_state": state.state_dict(),
         "rng_bytes": rng_bytes,
+        "rng_world_size": _world(),
         "rng_state": ShardedTensor.from_rank_offsets(
             "rng_state", rng_row.unsqueeze(0), (0, _rank(), _world()), replica_id=0
         ),
@@ -131,12 +148,12 @@ def _install_writer_results_queue() -> None:
 
 def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
     """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0."""
-    if _rank() == 0:
+
+    def scan() -> tuple[dict[str, manifest.FileEntry], list[str]]:
         known = manifest.take_partial_manifests(ckpt_dir)
-        todo = [rel for rel in manifest.list_files(ckpt_dir) if rel not in known]
-    else:
-        known, todo = {}, None
-    todo = _broadcast_from_rank0(todo)
+        return known, [rel for rel in manifest.list_files(ckpt_dir) if rel not in known]
+
+    known, todo = _on_rank0(scan)
     share = manifest.hash_share(ckpt_dir, todo, _rank(), _world())
     merged = dict(known)
     for part in _all_gather(share):
@@ -147,17 +164,22 @@ def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
 def _write_then_hash(write_fn: Any, ckpt_dir: str, rank: int, *args: Any, **kwargs: Any) -> None:
     """Background part of an async save: megatron-core's write, then hashing of this rank's shards."""
     write_fn(*args, **kwargs)
-    manifest.hash_rank_shards(ckpt_dir, rank)
+    try:
+        manifest.hash_rank_shards(ckpt_dir, rank)
+    except Exception:  # noqa: BLE001 - the commit hashes whatever has no partial manifest
+        logging.getLogger(__name__).exception("background hashing failed; the commit will hash these shards")
 
 
 def verify_checkpoint(ckpt_dir: str) -> list[str]:
     """Check ``ckpt_dir`` against its manifest with the hashing split over ranks; same problems on every rank."""
-    try:
-        table = manifest.read_manifest(ckpt_dir) if _rank() == 0 else None
-        error = None
-    except ValueError as err:
-        table, error = None, str(err)
-    table, error = _broadcast_from_rank0((table, error))
+
+    def read() -> tuple[Optional[dict], Optional[str]]:
+        try:
+            return manifest.read_manifest(ckpt_dir), None
+        except ValueError as err:
+            return None, str(err)
+
+    table, error = _on_rank0(read)
     if error:
         return [error]
     problems = manifest.verify_share(ckpt_dir, table, _rank(), _world())
@@ -183,6 +205,7 @@ class CheckpointManager:
         self._run_id = _broadcast_from_rank0(uuid.uuid4().hex[:8] if _rank() == 0 else None)
         self._saves = 0
         if cfg.save is not None:
+            _on_rank0(lambda: layout.recover(cfg.save))  # leftovers of saves a crash interrupted
             _install_writer_results_queue()  # start the writers' helper process now, not inside the first save
         if cfg.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -257,11 +280,13 @@ class CheckpointManager:
         layout.crash_point("during_write", _rank(), iteration)
         _barrier()
         entries = _hash_checkpoint(tmp)
-        if _rank() == 0:
+
+        def publish() -> None:
             manifest.write_manifest(tmp, iteration, entries)
             layout.commit(root, iteration, attempt, rank=0)
             layout.apply_retention(root, self.cfg.most_recent_k, protect={iteration})
-        _barrier()
+
+        _on_rank0(publish)
         self.last_saved_iteration = iteration
         self.last_finalize_seconds = time.perf_counter() - start
 
@@ -279,11 +304,17 @@ class CheckpointManager:
                 self.last_finalize_seconds,
             )
 
-    def close(self) -> None:
-        """Wait for any async save and shut the async worker down."""
+    def close(self, abort: bool = False) -> None:
+        """Wait for any async save and shut the async worker down.
+
+        Args:
+            abort: stop without finalizing (an exception is propagating and other ranks may not be here to join the
+                collectives of a commit); the unfinished save stays a temporary directory that the next start removes.
+        """
         if self._queue is not None:
-            self.finalize(blocking=True)
-            self._queue.close()
+            if not abort:
+                self.finalize(blocking=True)
+            self._queue.close(abort=abort)
             self._queue = None
 
     # ------------------------------------------------------------------ load
@@ -301,10 +332,7 @@ class CheckpointManager:
         root = self.cfg.load
         if root is None:
             return None
-        if _rank() == 0 and os.path.abspath(root) == os.path.abspath(self.cfg.save or ""):
-            layout.recover(root)
-        _barrier()
-        candidates = _broadcast_from_rank0(self._candidates(root) if _rank() == 0 else None)
+        candidates = _on_rank0(lambda: self._candidates(root))
         if not candidates:
             if self.cfg.exit_on_missing_checkpoint:
                 raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, f"no checkpoint in checkpoint.load={root}")
@@ -358,9 +386,20 @@ class CheckpointManager:
 
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
+        same_world = int(common.get("rng_world_size", _world())) == _world()
+        if not same_world:
+            # Per-rank generator states cannot be mapped onto another world size: keep this run's fresh seeds.
+            del sharded_sd["rng_state"]
+            logger.warning(
+                "checkpoint was saved by %s ranks, this run has %d: random generators are re-seeded, not restored "
+                "(training continues, but not bit-identically to an uninterrupted run)",
+                common.get("rng_world_size"),
+                _world(),
+            )
         loaded = dist_checkpointing.load(sharded_sd, ckpt_dir)
         _unwrap(model).load_state_dict(loaded["model"], strict=True)
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
         state.load_state_dict(loaded["train_state"])
-        set_rng_state(rng_state_from_tensor(loaded["rng_state"][0]))
+        if same_world:
+            set_rng_state(rng_state_from_tensor(loaded["rng_state"][0]))

@@ -357,6 +357,8 @@ def _validate_model(m: ModelConfig, world_size: int) -> None:
             f"{m.vocab_size} is not divisible by tensor parallel size {tp}",
             "pad the vocabulary to a multiple of model.tensor_model_parallel_size",
         )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
+        _fail("model.ffn_hidden_size", f"must be >= 1 or None, got {m.ffn_hidden_size}", "use null for 4 * hidden_size")
     if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp:
         _fail(
             "model.ffn_hidden_size",
@@ -376,6 +378,8 @@ def _validate_train(t: TrainConfig, m: ModelConfig, world_size: int) -> None:
     if t.micro_batch_size < 1:
         _fail("train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}", "set a positive size")
     dp = data_parallel_size(m, world_size)
+    if t.global_batch_size < 1:
+        _fail("train.global_batch_size", f"must be >= 1, got {t.global_batch_size}", "set a positive size")
     if t.global_batch_size % (t.micro_batch_size * dp):
         _fail(
             "train.global_batch_size",
@@ -391,7 +395,11 @@ def _validate_train(t: TrainConfig, m: ModelConfig, world_size: int) -> None:
             f"must be > 0 or None, got {t.exit_duration_in_mins}",
             "use a positive duration",
         )
-    if signal.Signals(t.exit_signal) in (signal.SIGKILL, signal.SIGSTOP):
+    try:
+        exit_signal = signal.Signals(t.exit_signal)
+    except ValueError:
+        _fail("train.exit_signal", f"{t.exit_signal!r} is not a signal", "use a name such as SIGTERM or SIGUSR1")
+    if exit_signal in (signal.SIGKILL, signal.SIGSTOP):
         _fail(
             "train.exit_signal",
             f"{signal.Signals(t.exit_signal).name} cannot be caught",
@@ -419,6 +427,12 @@ def _validate_optimizer(o: OptimizerConfig, s: SchedulerConfig, t: TrainConfig) 
         _fail("optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}", "use a non-negative value")
     if s.lr_decay_style not in ("constant", "linear", "cosine"):
         _fail("scheduler.lr_decay_style", f"unknown style {s.lr_decay_style!r}", 'use "constant", "linear" or "cosine"')
+    if s.lr_decay_iters is not None and s.lr_decay_iters < 1:
+        _fail(
+            "scheduler.lr_decay_iters",
+            f"must be >= 1 or None, got {s.lr_decay_iters}",
+            "use null to decay over train.train_iters",
+        )
     decay = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
     if s.lr_warmup_iters < 0 or s.lr_warmup_iters >= decay:
         _fail(
@@ -443,6 +457,20 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
             f"must be -1 (keep all) or >= 1, got {c.most_recent_k}",
             "use -1 or a positive count",
         )
+    if c.exit_on_missing_checkpoint and c.load is None:
+        _fail(
+            "checkpoint.exit_on_missing_checkpoint",
+            "is set but checkpoint.load is not",
+            "set checkpoint.load to the directory to resume from",
+        )
+    local_fields = ("non_persistent_save_interval", "non_persistent_local_ckpt_dir")
+    for name in local_fields:
+        if getattr(c, name) is not None and c.non_persistent_ckpt_type is None:
+            _fail(
+                f"checkpoint.{name}",
+                "is set but checkpoint.non_persistent_ckpt_type is not",
+                "set checkpoint.non_persistent_ckpt_type or remove this field",
+            )
     if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
         _fail("checkpoint.save", f"{c.save!r} exists and is not a directory", "point it at a directory")
     if c.load is not None and os.path.exists(c.load) and not os.path.isdir(c.load):
@@ -467,6 +495,10 @@ def _validate_runtime(cfg: ConfigContainer) -> None:
             f"must be >= 1, got {cfg.dist.distributed_timeout_minutes}",
             "use a positive number of minutes",
         )
+    if cfg.rng.seed < 0 or cfg.rng.seed >= 2**32:
+        _fail("rng.seed", f"must be in [0, 2**32), got {cfg.rng.seed}", "use a non-negative 32-bit seed")
+    if cfg.logger.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        _fail("logger.log_level", f"unknown level {cfg.logger.log_level!r}", "use DEBUG, INFO, WARNING or ERROR")
     if cfg.logger.log_interval < 1:
         _fail("logger.log_interval", f"must be >= 1, got {cfg.logger.log_interval}", "use a positive interval")
     if cfg.dataset.num_workers < 0:

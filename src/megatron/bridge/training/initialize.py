@@ -22,7 +22,7 @@ def setup_logging(level: str) -> None:
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
-    logging.getLogger("megatron.bridge").setLevel(level)
+    logging.getLogger("megatron.bridge").setLevel(level.upper())
 
 
 def select_device() -> torch.device:

@@ -95,6 +95,10 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
         ft.on_train_end(finished=code == ExitCode.FINISHED)
         logger.info("training stopped at iteration %d: %s (exit code %d)", state.iteration, reason, int(code))
         return code
+    except BaseException:
+        if checkpoints is not None:
+            checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
+        raise
     finally:
         if metrics is not None:
             metrics.close()
@@ -114,11 +118,13 @@ def main(
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = apply_overrides(build_config(), argv)
-        code = pretrain(cfg, forward_step_func)
+        cfg.validate()
     except ValueError as err:
         logging.basicConfig()
         logger.error("configuration error: %s", err)
         sys.exit(int(ExitCode.CONFIG_ERROR))
+    try:
+        code = pretrain(cfg, forward_step_func)
     except TrainingExit as stop:
         logger.error("training stopped: %s", stop)
         sys.exit(int(stop.exit_code))

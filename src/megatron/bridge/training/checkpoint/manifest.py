@@ -136,7 +136,11 @@ def verify_share(ckpt_dir: str, manifest: dict[str, FileEntry], rank: int, world
         if size != expected.size:
             problems.append(f"{rel}: size {size} bytes, manifest says {expected.size}")
             continue
-        actual = hash_file(path).sha256
+        try:
+            actual = hash_file(path).sha256
+        except OSError as err:
+            problems.append(f"{rel}: unreadable ({err})")
+            continue
         if actual != expected.sha256:
             problems.append(f"{rel}: sha256 {actual[:12]}…, manifest says {expected.sha256[:12]}…")
     return problems
