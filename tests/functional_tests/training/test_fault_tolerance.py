@@ -41,10 +41,13 @@ def test_calculated_timeouts_are_saved_and_loaded(tmp_path):
     assert "[FaultTolerance] section timeouts (from the launcher): setup=90.0s, step=6.0s" in first.output
     assert "[FaultTolerance] section timeouts (calculated)" in first.output
     state = json.loads((ckpt / "ft_state.json").read_text())["current_timeouts"]["section"]
-    learned = {name: state["section"][name] for name in ("setup", "step", "checkpointing")}
-    assert all(0 < value < 90 for value in learned.values()), learned
+    learned = state["section"]
+    assert sorted(state["calculated_sections"]) == ["checkpointing", "step"]
+    assert learned["setup"] == 90 and state["out_of_section"] == 30, "setup and out-of-section keep launcher values"
+    assert 0 < learned["step"] < 6 and 0 < learned["checkpointing"] < 15, learned
 
-    second = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=9")
+    # A restart of the finished run: it loads the learned timeouts at start-up (and has nothing left to train).
+    second = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=6")
     assert second.exit_code == 0, tail(second)
     expected = ", ".join(f"{name}={learned[name]:.1f}s" for name in ("setup", "step", "checkpointing"))
     assert f"[FaultTolerance] section timeouts (loaded from ft_state.json): {expected}" in second.output

@@ -10,8 +10,9 @@ from the newest verified checkpoint. Launch with matching section names::
 
 If the launcher was given no timeouts for these sections, heartbeats (one per step) are sent instead.
 
-With ``ft.calc_ft_timeouts``, timeouts are computed from what this run observed after every checkpoint save,
-written atomically to ``ft_state.json`` in the save directory, and loaded from the load directory by the next run.
+With ``ft.calc_ft_timeouts``, the ``step`` and ``checkpointing`` timeouts are computed from what this run observed
+(the launcher's safety factor times the longest time seen) after every checkpoint save, written atomically to
+``ft_state.json`` in the save directory, and loaded from the load directory by the next run.
 """
 
 import json
@@ -28,6 +29,7 @@ from megatron.bridge.training.config import ConfigContainer
 logger = logging.getLogger(__name__)
 
 SECTIONS = ("setup", "step", "checkpointing")
+LEARNED_SECTIONS = ("step", "checkpointing")
 STATE_FILE = "ft_state.json"
 RANK_MONITOR_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 
@@ -136,7 +138,13 @@ class FaultTolerance:
     def _update_timeouts(self) -> None:
         """Compute timeouts from observed times (a collective: all ranks call it at the same save)."""
         if self._use_sections:
-            ok = self._client.calculate_and_set_section_timeouts(skip_if_not_ready=True)
+            # Only `step` and `checkpointing` are learned. `setup` varies too much between a first start and a
+            # restart that loads a checkpoint, and out-of-section periods are bookkeeping between sections that
+            # lasts microseconds: a timeout learned from either would only add false alarms. Both keep the
+            # launcher's values.
+            ok = self._client.calculate_and_set_section_timeouts(
+                selected_sections=LEARNED_SECTIONS, calc_out_of_section=False, skip_if_not_ready=True
+            )
         else:
             ok = self._client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
         if ok:

@@ -91,7 +91,9 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
         )
         ft.on_setup_end()
         code, reason = train(ctx)
+        ft.on_checkpoint_start()  # waiting for the last async save is checkpointing time, not a hang
         checkpoints.close()
+        ft.on_checkpoint_end()
         ft.on_train_end(finished=code == ExitCode.FINISHED)
         logger.info("training stopped at iteration %d: %s (exit code %d)", state.iteration, reason, int(code))
         return code

@@ -2,11 +2,11 @@
 
 Order of events in one iteration (features hook in at these moments, with their logic in their own modules):
 
-1. commit async checkpoint saves that finished on every rank;
-2. fault tolerance: open the ``step`` section; fault drills strike here;
-3. forward and backward over the micro-batches, optimizer and scheduler step; close the ``step`` section;
+1. fault tolerance: open the ``step`` section (everything up to 5 is inside it); fault drills strike here;
+2. commit async checkpoint saves that finished on every rank;
+3. forward and backward over the micro-batches, optimizer and scheduler step;
 4. log metrics;
-5. decide whether to stop (``exit_interval``, ``exit_duration_in_mins``, end of training);
+5. decide whether to stop (``exit_interval``, ``exit_duration_in_mins``, end of training); close ``step``;
 6. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops;
 7. stop with the exit code of the reason.
 """
@@ -124,17 +124,17 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         return ExitCode.FINISHED, f"checkpoint is already at train.train_iters={cfg.train.train_iters}"
     ctx.model.train()
     while True:
-        ctx.checkpoints.finalize(blocking=False)
-        log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
         ctx.ft.on_step_start()
         ctx.faults.before_step(ctx.state.iteration + 1)
+        ctx.checkpoints.finalize(blocking=False)
+        log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
         metrics = train_step(ctx, log_this_step)
-        ctx.ft.on_step_end()
         ctx.state.iteration += 1
         ctx.state.consumed_train_samples += cfg.train.global_batch_size
         if log_this_step:
             ctx.metrics.log_step(ctx.state.iteration, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
         stop = exit_condition(ctx)
+        ctx.ft.on_step_end()
         if _should_save(ctx, stopping=stop is not None):
             ctx.ft.on_checkpoint_start()
             ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
