@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[3]
 DOCS = sorted([*REPO.glob("docs/**/*.md"), *REPO.glob("skills/**/*.md"), REPO / "README.md"])
 _PY_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 _PATH = re.compile(r"`((?:src|tests|examples|docs|skills|scripts|benchmarks)/[\w./-]+)`")
-_OVERRIDE = re.compile(r"(?<![\w.])((?:[a-z_]+\.)+[a-z_]+=[^\s`]+)")
+_OVERRIDE = re.compile(r"(?<![\w.])((?:[a-z_]+\.)+[a-z_]+=[^\s`'\"\])]+)")
 
 
 def _ids(paths):
@@ -21,7 +21,8 @@ def _ids(paths):
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=_ids(DOCS))
-def test_python_snippets_build_valid_configs(doc):
+def test_python_snippets_build_valid_configs(doc, monkeypatch):
+    monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/run/rmon.sock")  # snippets are meant for ft_launcher
     for block in _PY_BLOCK.findall(doc.read_text()):
         cfg = ConfigContainer()
         namespace = {"cfg": cfg}
