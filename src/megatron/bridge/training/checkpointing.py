@@ -121,14 +121,16 @@ def _sharded_state_dict(
     }
 
 
-def _results_queue_manager_dies_with_parent() -> None:
+def _results_queue_manager_dies_with_parent(parent_pid: int) -> None:
     """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux)."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _install_writer_results_queue() -> None:
@@ -142,7 +144,7 @@ def _install_writer_results_queue() -> None:
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     sync_manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    sync_manager.start(initializer=_results_queue_manager_dies_with_parent)
+    sync_manager.start(initializer=_results_queue_manager_dies_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = sync_manager.Queue()
 
 
@@ -258,7 +260,8 @@ class CheckpointManager:
             self._commit(iteration, attempt)
             what = "saved checkpoint"
         else:
-            request = request._replace(async_fn=functools.partial(_write_then_hash, request.async_fn, tmp, _rank()))
+            if request.async_fn is not None:  # None when this rank has nothing to write
+                request = request._replace(async_fn=functools.partial(_write_then_hash, request.async_fn, tmp, _rank()))
             request.add_finalize_fn(lambda: self._commit(iteration, attempt))
             self._queue.schedule_async_request(request)
             self._pending = iteration
