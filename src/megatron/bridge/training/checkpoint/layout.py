@@ -18,9 +18,9 @@ Commit protocol (all file data is already on disk, manifest last):
 5. the tracker is written to a temporary file, fsynced and renamed over the old tracker;
 6. ``.replaced_iter_N`` is deleted.
 
-A crash between any two steps leaves either the old state or the new one for :func:`recover`, which runs before
-every load: it deletes ``.tmp_iter_*`` and ``.deleting_iter_*``, and restores ``.replaced_iter_N`` when
-``iter_N`` is missing.
+A crash between any two steps leaves either the old state or the new one for :func:`recover`, which runs on the
+save directory when a run starts (before it loads or saves anything): it deletes ``.tmp_iter_*`` and
+``.deleting_iter_*``, and restores ``.replaced_iter_N`` when ``iter_N`` is missing.
 
 For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>[:hang]]]`` SIGKILLs the process (or, with
 ``hang``, stops it with SIGSTOP) at a named point of the protocol (see :data:`CRASH_POINTS`), on one rank and at one
@@ -162,7 +162,7 @@ def commit(root: str, iteration: int, attempt: str, rank: int = 0) -> None:
 
 
 def recover(root: str) -> None:
-    """Undo what an interrupted save left in ``root``; run on one rank before loading or saving.
+    """Undo what an interrupted save left in ``root``; run on one rank when a run starts.
 
     Deletes ``.tmp_iter_*`` and ``.deleting_iter_*`` directories and the tracker's temporary file. A
     ``.replaced_iter_N`` is moved back to ``iter_N`` when the re-save never got there, and deleted otherwise.
