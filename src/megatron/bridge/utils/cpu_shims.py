@@ -175,13 +175,13 @@ def _shim_grad_buffer() -> None:
 
 
 def _shim_optimizer() -> None:
-    # FP32Optimizer.__init__ / MixedPrecisionOptimizer.__init__ create device='cuda' tensors;
+    # FP32Optimizer.__init__ / MixedPrecisionOptimizer.__init__ create tensors on the CUDA device;
     # ChainedOptimizer.get_loss_scale uses torch.cuda.current_device().
     _install_torch_view("megatron.core.optimizer.optimizer")
 
 
 def _shim_grad_clipping() -> None:
-    # clip_grads.get_grad_norm_fp32/count_zeros_fp32 create device='cuda' tensors, and
+    # clip_grads.get_grad_norm_fp32/count_zeros_fp32 create tensors on the CUDA device, and
     # clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor'.
     clip_grads = _import("megatron.core.optimizer.clip_grads")
     optimizer = _import("megatron.core.optimizer.optimizer")
@@ -230,7 +230,7 @@ _clip_grad_by_total_norm_fp32._cpu_shim = True  # type: ignore[attr-defined]
 
 
 def _shim_schedules() -> None:
-    # forward_backward_{no_pipelining,pipelining_*} create total_num_tokens with device="cuda".
+    # forward_backward_{no_pipelining,pipelining_*} create total_num_tokens on the CUDA device.
     _install_torch_view("megatron.core.pipeline_parallel.schedules")
 
 
@@ -246,7 +246,7 @@ def _shim_dist_checkpointing() -> None:
 
 def _shim_rerun_state_machine() -> None:
     # RerunStateMachine (modes other than DISABLED): _save_state/_restore_state call
-    # torch.cuda.get_rng_state/set_rng_state, _reduce_any all-reduces a device='cuda' tensor.
+    # torch.cuda.get_rng_state/set_rng_state, _reduce_any all-reduces a tensor on the CUDA device.
     _install_torch_view("megatron.core.rerun_state_machine")
 
 
