@@ -70,14 +70,12 @@ def build_data_iterator(
     dp_rank: int,
     dp_size: int,
     num_workers: int = 0,
-    worker_init_fn=None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Iterator of micro-batches for this rank that resumes at ``consumed_samples``."""
     loader = DataLoader(
         MockGPTDataset(vocab_size, seq_length, seed),
         batch_sampler=PositionedBatchSampler(consumed_samples, micro_batch_size, dp_rank, dp_size),
         num_workers=num_workers,
-        worker_init_fn=worker_init_fn,
         persistent_workers=num_workers > 0,
         # A private generator: creating the iterator must not draw from the global RNG, or a resumed run (which
         # creates it after restoring the RNG) would diverge from one that never stopped.

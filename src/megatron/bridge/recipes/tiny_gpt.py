@@ -12,12 +12,10 @@ from megatron.bridge.training.config import (
 )
 
 
-def tiny_gpt_config(save_dir: str | None = None) -> ConfigContainer:
-    """A config that trains the tiny GPT for 20 iterations, checkpointing every 5 into ``save_dir``."""
+def tiny_gpt_config() -> ConfigContainer:
+    """A config that trains the tiny GPT for 20 iterations; set ``checkpoint.save``/``load`` to checkpoint."""
     return ConfigContainer(
         model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32),
         train=TrainConfig(train_iters=20, micro_batch_size=2, global_batch_size=8),
-        checkpoint=CheckpointConfig(
-            save=save_dir, load=save_dir, save_interval=5 if save_dir else None, most_recent_k=3
-        ),
+        checkpoint=CheckpointConfig(most_recent_k=3),
     )

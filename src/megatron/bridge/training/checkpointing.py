@@ -28,9 +28,10 @@ from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.rng import (
     get_rng_state,
+    rng_blob_length,
+    rng_blob_to_tensor,
     rng_state_from_tensor,
-    rng_state_to_tensor,
-    serialized_rng_length,
+    serialize_rng_state,
     set_rng_state,
 )
 from megatron.bridge.training.state import TrainState
@@ -103,9 +104,9 @@ def _sharded_state_dict(
     if is_loading:
         rng_row = torch.zeros(rng_bytes, dtype=torch.uint8)
     else:
-        rng = get_rng_state()
-        rng_bytes = max(_all_gather(serialized_rng_length(rng)))
-        rng_row = rng_state_to_tensor(rng, rng_bytes)
+        payload = serialize_rng_state(get_rng_state())
+        rng_bytes = max(_all_gather(rng_blob_length(payload)))
+        rng_row = rng_blob_to_tensor(payload, rng_bytes)
     model_sd = _unwrap(model).sharded_state_dict()
     return {
         "checkpoint_version": CHECKPOINT_VERSION,

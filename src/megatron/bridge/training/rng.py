@@ -49,28 +49,30 @@ def set_rng_state(state: dict) -> None:
 _HEADER = 8  # bytes of little-endian payload length in front of a serialized state
 
 
-def rng_state_to_tensor(state: dict, length: int) -> torch.Tensor:
-    """Serialize :func:`get_rng_state` output into a uint8 tensor of exactly ``length`` bytes (zero padded)."""
+def serialize_rng_state(state: dict) -> bytes:
+    """Serialize :func:`get_rng_state` output (tensors and plain values only)."""
     buf = io.BytesIO()
     torch.save(state, buf)
-    payload = buf.getvalue()
-    if len(payload) + _HEADER > length:
-        raise ValueError(f"RNG state needs {len(payload) + _HEADER} bytes, only {length} reserved")
+    return buf.getvalue()
+
+
+def rng_blob_length(payload: bytes) -> int:
+    """Bytes :func:`rng_blob_to_tensor` needs for ``payload``."""
+    return len(payload) + _HEADER
+
+
+def rng_blob_to_tensor(payload: bytes, length: int) -> torch.Tensor:
+    """A uint8 tensor of exactly ``length`` bytes: a length header, ``payload``, zero padding."""
+    if rng_blob_length(payload) > length:
+        raise ValueError(f"RNG state needs {rng_blob_length(payload)} bytes, only {length} reserved")
     out = torch.zeros(length, dtype=torch.uint8)
     out[:_HEADER] = torch.tensor(list(len(payload).to_bytes(_HEADER, "little")), dtype=torch.uint8)
     out[_HEADER : _HEADER + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return out
 
 
-def serialized_rng_length(state: dict) -> int:
-    """Bytes :func:`rng_state_to_tensor` needs for ``state``."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return len(buf.getvalue()) + _HEADER
-
-
 def rng_state_from_tensor(blob: torch.Tensor) -> dict:
-    """Inverse of :func:`rng_state_to_tensor`; loads with ``weights_only=True`` (no arbitrary unpickling)."""
+    """Inverse of :func:`rng_blob_to_tensor`; loads with ``weights_only=True`` (no arbitrary unpickling)."""
     raw = blob.cpu().numpy().tobytes()
     size = int.from_bytes(raw[:_HEADER], "little")
     return torch.load(io.BytesIO(raw[_HEADER : _HEADER + size]), weights_only=True)

@@ -4,7 +4,6 @@ from typing import Any
 
 _EXTRAS = {
     "torch.utils.tensorboard": "logging",
-    "matplotlib": "logging",
     "nemo_run": "recipes",
 }
 
