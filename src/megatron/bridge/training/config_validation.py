@@ -1,0 +1,276 @@
+"""The checks behind :meth:`ConfigContainer.validate`: one function per config section, all run at start.
+
+Every failure is a ``ValueError`` of the form ``"<field>: <problem>. Fix: <fix>."`` so that a user reading
+the log knows which dotted override to change and how.
+"""
+
+import os
+import signal
+from typing import Optional
+
+import torch
+
+from megatron.bridge.training.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    FaultToleranceConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TrainConfig,
+)
+
+_ENABLE_LATER = "is not supported by this version of megatron.bridge yet; leave it at its default"
+
+
+def _fail(field_name: str, problem: str, fix: str) -> None:
+    raise ValueError(f"{field_name}: {problem}. Fix: {fix}.")
+
+
+def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> None:
+    """Check every field and every combination of ``cfg``; raise ``ValueError`` naming the field and the fix.
+
+    Args:
+        cfg: the configuration to check.
+        world_size: number of ranks; defaults to ``$WORLD_SIZE`` (1 when unset).
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _validate_model(cfg.model, world_size)
+    _validate_train(cfg.train, cfg.model, world_size)
+    _validate_optimizer(cfg.optimizer, cfg.scheduler, cfg.train)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_runtime(cfg)
+    _validate_fault_tolerance(cfg.ft, world_size)
+    _validate_not_yet_supported(cfg)
+
+
+def data_parallel_size(model: ModelConfig, world_size: int) -> int:
+    """Number of data-parallel replicas for a world of ``world_size`` ranks."""
+    return world_size // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
+
+
+def _validate_model(m: ModelConfig, world_size: int) -> None:
+    tp = m.tensor_model_parallel_size
+    if tp < 1:
+        _fail("model.tensor_model_parallel_size", f"must be >= 1, got {tp}", "set a positive size")
+    if m.pipeline_model_parallel_size != 1:
+        _fail("model.pipeline_model_parallel_size", "pipeline parallelism is not supported", "set it to 1")
+    if world_size % tp:
+        _fail(
+            "model.tensor_model_parallel_size",
+            f"{tp} does not divide the world size {world_size}",
+            "use a divisor of the number of ranks",
+        )
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+        if getattr(m, name) < 1:
+            _fail(f"model.{name}", f"must be >= 1, got {getattr(m, name)}", "set a positive value")
+    if m.hidden_size % m.num_attention_heads:
+        _fail(
+            "model.num_attention_heads",
+            f"{m.num_attention_heads} does not divide hidden_size {m.hidden_size}",
+            "choose heads that divide the hidden size",
+        )
+    if m.num_attention_heads % tp:
+        _fail(
+            "model.num_attention_heads",
+            f"{m.num_attention_heads} is not divisible by tensor parallel size {tp}",
+            "use a multiple of model.tensor_model_parallel_size",
+        )
+    if m.vocab_size % tp:
+        _fail(
+            "model.vocab_size",
+            f"{m.vocab_size} is not divisible by tensor parallel size {tp}",
+            "pad the vocabulary to a multiple of model.tensor_model_parallel_size",
+        )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
+        _fail("model.ffn_hidden_size", f"must be >= 1 or None, got {m.ffn_hidden_size}", "use null for 4 * hidden_size")
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp:
+        _fail(
+            "model.ffn_hidden_size",
+            f"{m.ffn_hidden_size} is not divisible by tensor parallel size {tp}",
+            "use a multiple of model.tensor_model_parallel_size",
+        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            _fail(f"model.{name}", f"must be in [0, 1), got {getattr(m, name)}", "use a probability below 1")
+    if m.params_dtype not in ("float32", "bfloat16"):
+        _fail("model.params_dtype", f"unknown dtype {m.params_dtype!r}", 'use "float32" or "bfloat16"')
+
+
+def _validate_train(t: TrainConfig, m: ModelConfig, world_size: int) -> None:
+    if t.train_iters < 1:
+        _fail("train.train_iters", f"must be >= 1, got {t.train_iters}", "set the number of optimizer steps")
+    if t.micro_batch_size < 1:
+        _fail("train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}", "set a positive size")
+    dp = data_parallel_size(m, world_size)
+    if t.global_batch_size < 1:
+        _fail("train.global_batch_size", f"must be >= 1, got {t.global_batch_size}", "set a positive size")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        _fail(
+            "train.global_batch_size",
+            f"{t.global_batch_size} is not a multiple of micro_batch_size * data_parallel_size "
+            f"= {t.micro_batch_size} * {dp}",
+            f"use a multiple of {t.micro_batch_size * dp}",
+        )
+    if t.exit_interval is not None and t.exit_interval < 1:
+        _fail("train.exit_interval", f"must be >= 1 or None, got {t.exit_interval}", "use a positive interval")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        _fail(
+            "train.exit_duration_in_mins",
+            f"must be > 0 or None, got {t.exit_duration_in_mins}",
+            "use a positive duration",
+        )
+    try:
+        exit_signal = signal.Signals(t.exit_signal)
+    except ValueError:
+        _fail("train.exit_signal", f"{t.exit_signal!r} is not a signal", "use a name such as SIGTERM or SIGUSR1")
+    if exit_signal in (signal.SIGKILL, signal.SIGSTOP):
+        _fail(
+            "train.exit_signal",
+            f"{signal.Signals(t.exit_signal).name} cannot be caught",
+            "use SIGTERM, SIGUSR1 or SIGUSR2",
+        )
+    if t.exit_signal_handler_for_dataloader and not t.exit_signal_handler:
+        _fail(
+            "train.exit_signal_handler_for_dataloader",
+            "needs the main handler",
+            "also set train.exit_signal_handler=true",
+        )
+
+
+def _validate_optimizer(o: OptimizerConfig, s: SchedulerConfig, t: TrainConfig) -> None:
+    if o.lr <= 0:
+        _fail("optimizer.lr", f"must be > 0, got {o.lr}", "set a positive learning rate")
+    if not 0 <= o.min_lr <= o.lr:
+        _fail("optimizer.min_lr", f"must be in [0, lr={o.lr}], got {o.min_lr}", "lower optimizer.min_lr")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            _fail(f"optimizer.{name}", f"must be in [0, 1), got {getattr(o, name)}", "use e.g. 0.9 / 0.95")
+    if o.clip_grad < 0:
+        _fail("optimizer.clip_grad", f"must be >= 0, got {o.clip_grad}", "use 0 to disable clipping")
+    if o.weight_decay < 0:
+        _fail("optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}", "use a non-negative value")
+    if s.lr_decay_style not in ("constant", "linear", "cosine"):
+        _fail("scheduler.lr_decay_style", f"unknown style {s.lr_decay_style!r}", 'use "constant", "linear" or "cosine"')
+    if s.lr_decay_iters is not None and s.lr_decay_iters < 1:
+        _fail(
+            "scheduler.lr_decay_iters",
+            f"must be >= 1 or None, got {s.lr_decay_iters}",
+            "use null to decay over train.train_iters",
+        )
+    decay = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
+    if s.lr_warmup_iters < 0 or s.lr_warmup_iters >= decay:
+        _fail(
+            "scheduler.lr_warmup_iters",
+            f"must be in [0, {decay}), got {s.lr_warmup_iters}",
+            "make warmup shorter than scheduler.lr_decay_iters (default train.train_iters)",
+        )
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    if c.ckpt_format != "torch_dist":
+        _fail("checkpoint.ckpt_format", f"unsupported format {c.ckpt_format!r}", 'use "torch_dist"')
+    if c.save_interval is not None and c.save_interval < 1:
+        _fail("checkpoint.save_interval", f"must be >= 1 or None, got {c.save_interval}", "use a positive interval")
+    if c.save_interval is not None and c.save is None:
+        _fail("checkpoint.save_interval", "is set but checkpoint.save is not", "set checkpoint.save to a directory")
+    if c.async_save and c.save is None:
+        _fail("checkpoint.async_save", "is on but checkpoint.save is not set", "set checkpoint.save to a directory")
+    if c.most_recent_k == 0 or c.most_recent_k < -1:
+        _fail(
+            "checkpoint.most_recent_k",
+            f"must be -1 (keep all) or >= 1, got {c.most_recent_k}",
+            "use -1 or a positive count",
+        )
+    if c.exit_on_missing_checkpoint and c.load is None:
+        _fail(
+            "checkpoint.exit_on_missing_checkpoint",
+            "is set but checkpoint.load is not",
+            "set checkpoint.load to the directory to resume from",
+        )
+    local_fields = ("non_persistent_save_interval", "non_persistent_local_ckpt_dir")
+    for name in local_fields:
+        if getattr(c, name) is not None and c.non_persistent_ckpt_type is None:
+            _fail(
+                f"checkpoint.{name}",
+                "is set but checkpoint.non_persistent_ckpt_type is not",
+                "set checkpoint.non_persistent_ckpt_type or remove this field",
+            )
+    if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
+        _fail("checkpoint.save", f"{c.save!r} exists and is not a directory", "point it at a directory")
+    if c.load is not None and os.path.exists(c.load) and not os.path.isdir(c.load):
+        _fail("checkpoint.load", f"{c.load!r} exists and is not a directory", "point it at a checkpoint directory")
+
+
+def _validate_runtime(cfg: ConfigContainer) -> None:
+    backend = cfg.dist.backend
+    if backend not in (None, "gloo", "nccl"):
+        _fail("dist.backend", f"unknown backend {backend!r}", 'use "gloo", "nccl" or leave it unset')
+    if backend == "nccl" and not torch.cuda.is_available():
+        _fail("dist.backend", "nccl needs CUDA, which is not available here", "leave dist.backend unset (gloo)")
+    if cfg.model.params_dtype == "bfloat16" and not torch.cuda.is_available():
+        _fail(
+            "model.params_dtype",
+            "bfloat16 needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA tensors)",
+            'use "float32" on a machine without a GPU',
+        )
+    if cfg.dist.distributed_timeout_minutes < 1:
+        _fail(
+            "dist.distributed_timeout_minutes",
+            f"must be >= 1, got {cfg.dist.distributed_timeout_minutes}",
+            "use a positive number of minutes",
+        )
+    if cfg.rng.seed < 0 or cfg.rng.seed >= 2**32:
+        _fail("rng.seed", f"must be in [0, 2**32), got {cfg.rng.seed}", "use a non-negative 32-bit seed")
+    if cfg.logger.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        _fail("logger.log_level", f"unknown level {cfg.logger.log_level!r}", "use DEBUG, INFO, WARNING or ERROR")
+    if cfg.logger.log_interval < 1:
+        _fail("logger.log_interval", f"must be >= 1, got {cfg.logger.log_interval}", "use a positive interval")
+    if cfg.dataset.num_workers < 0:
+        _fail("dataset.num_workers", f"must be >= 0, got {cfg.dataset.num_workers}", "use 0 or more workers")
+
+
+def _validate_fault_tolerance(ft: FaultToleranceConfig, world_size: int) -> None:
+    if ft.enable_ft_package and not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
+        _fail(
+            "ft.enable_ft_package",
+            "no rank monitor to report to ($FT_RANK_MONITOR_IPC_SOCKET is unset): this process was not started by "
+            "ft_launcher, and under torchrun fault tolerance would silently do nothing",
+            "launch with ft_launcher (same arguments as torchrun plus --ft-rank-section-timeouts=setup:600,"
+            "step:180,checkpointing:420 --ft-rank-out-of-section-timeout=300), or set ft.enable_ft_package=false",
+        )
+    if ft.simulate_fault and not ft.enable_ft_package:
+        _fail("ft.simulate_fault", "needs fault tolerance to detect the fault", "also set ft.enable_ft_package=true")
+    if ft.simulated_fault_type not in ("rank_hung", "rank_killed", "random"):
+        _fail(
+            "ft.simulated_fault_type",
+            f"unknown type {ft.simulated_fault_type!r}",
+            'use "rank_hung", "rank_killed" or "random"',
+        )
+    if ft.simulated_fault_rank is not None and not 0 <= ft.simulated_fault_rank < world_size:
+        _fail(
+            "ft.simulated_fault_rank",
+            f"{ft.simulated_fault_rank} is not a rank of a world of {world_size}",
+            f"use 0..{world_size - 1} or null for a random rank",
+        )
+    if ft.simulated_fault_base_delay < 0:
+        _fail(
+            "ft.simulated_fault_base_delay",
+            f"must be >= 0, got {ft.simulated_fault_base_delay}",
+            "use a delay in seconds",
+        )
+
+
+def _validate_not_yet_supported(cfg: ConfigContainer) -> None:
+    """Reject features whose configuration exists but whose runtime this version does not have."""
+    enabled = {
+        "nvrx_straggler.enabled": cfg.nvrx_straggler.enabled,
+        "inprocess_restart.enabled": cfg.inprocess_restart.enabled,
+        "rerun_state_machine.rerun_mode": cfg.rerun_state_machine.rerun_mode != "disabled",
+        "train.exit_signal_handler": cfg.train.exit_signal_handler,
+        "checkpoint.non_persistent_ckpt_type": cfg.checkpoint.non_persistent_ckpt_type is not None,
+    }
+    for name, on in enabled.items():
+        if on:
+            _fail(name, _ENABLE_LATER, f"unset {name}")
