@@ -80,7 +80,40 @@ INVALID = [
     (["ft.simulated_fault_type=rank_slow"], 1, "ft.simulated_fault_type"),
     (["ft.simulated_fault_rank=2"], 2, "ft.simulated_fault_rank"),
     (["ft.simulated_fault_base_delay=-1"], 1, "ft.simulated_fault_base_delay"),
-    (["nvrx_straggler.enabled=true"], 1, "nvrx_straggler.enabled"),
+    (["straggler.log_straggler=true"], 1, "straggler.log_straggler"),
+    (["straggler.log_straggler=true", "nvrx_straggler.enabled=true"], 1, "straggler.log_straggler"),
+    (
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.calc_relative_gpu_perf=false"]
+        + ["nvrx_straggler.calc_individual_gpu_perf=false"],
+        1,
+        "nvrx_straggler.calc_relative_gpu_perf",
+    ),
+    (
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.gpu_relative_perf_threshold=0"],
+        1,
+        "nvrx_straggler.gpu_relative_perf_threshold",
+    ),
+    (
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.gpu_relative_perf_threshold=1.5"],
+        1,
+        "nvrx_straggler.gpu_relative_perf_threshold",
+    ),
+    (
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.gpu_individual_perf_threshold=-0.1"],
+        1,
+        "nvrx_straggler.gpu_individual_perf_threshold",
+    ),
+    (
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.report_time_interval=0"],
+        1,
+        "nvrx_straggler.report_time_interval",
+    ),
+    (["nvrx_straggler.enabled=true", "nvrx_straggler.profiling_interval=0"], 1, "nvrx_straggler.profiling_interval"),
+    (
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.num_gpu_perf_scores_to_print=-1"],
+        1,
+        "nvrx_straggler.num_gpu_perf_scores_to_print",
+    ),
     (["inprocess_restart.enabled=true"], 1, "inprocess_restart.enabled"),
     (["rerun_state_machine.rerun_mode=validate_results"], 1, "rerun_state_machine.rerun_mode"),
     (["train.exit_signal_handler=true"], 1, "train.exit_signal_handler"),
@@ -111,6 +144,20 @@ def test_nccl_rejected_without_cuda():
     cfg = apply_overrides(ConfigContainer(), ["dist.backend=nccl"])
     with pytest.raises(ValueError, match=r"^dist\.backend:"):
         cfg.validate(world_size=1)
+
+
+def test_straggler_detection_accepts_its_documented_settings():
+    overrides = ["nvrx_straggler.enabled=true", "nvrx_straggler.gpu_relative_perf_threshold=1.0"]
+    overrides += ["nvrx_straggler.calc_relative_gpu_perf=false", "checkpoint.save=/tmp/x"]
+    cfg = apply_overrides(ConfigContainer(), overrides + ["nvrx_straggler.stop_if_detected=true"])
+    cfg.validate(world_size=2)
+
+
+def test_stop_on_straggler_without_checkpoints_warns(caplog):
+    cfg = apply_overrides(ConfigContainer(), ["nvrx_straggler.enabled=true", "nvrx_straggler.stop_if_detected=true"])
+    with caplog.at_level("WARNING"):
+        cfg.validate(world_size=2)
+    assert "checkpoint.save is not set" in caplog.text
 
 
 def test_ft_valid_under_ft_launcher(monkeypatch):

@@ -214,7 +214,19 @@ class NVRxStragglerDetectionConfig:
     enable_logging: bool = True
     """Send score statistics to TensorBoard."""
     profiling_interval: int = 1
-    """Profile every this many steps."""
+    """Time every this many entries of each detection section (1 = every step)."""
+
+
+@dataclass
+class StragglerDetectionConfig:
+    """megatron-core's older ``StragglerDetector`` (Megatron-LM's ``--log-straggler``).
+
+    Not available in this framework: it is here so that a config carried over from Megatron-LM fails with a clear
+    message instead of an unknown-field error. Use :class:`NVRxStragglerDetectionConfig`.
+    """
+
+    log_straggler: bool = False
+    """Enable the legacy detector; only ``False`` is accepted (use ``nvrx_straggler.enabled``)."""
 
 
 @dataclass
@@ -289,6 +301,8 @@ class ConfigContainer:
     """Fault tolerance."""
     nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
     """Straggler detection."""
+    straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
+    """The legacy straggler detector (rejected when enabled)."""
     inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
     """In-process restart."""
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)

@@ -4,6 +4,7 @@ Every failure is a ``ValueError`` of the form ``"<field>: <problem>. Fix: <fix>.
 the log knows which dotted override to change and how.
 """
 
+import logging
 import os
 import signal
 from typing import Optional
@@ -19,6 +20,8 @@ from megatron.bridge.training.config import (
     SchedulerConfig,
     TrainConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 _ENABLE_LATER = "is not supported by this version of megatron.bridge yet; leave it at its default"
 
@@ -42,6 +45,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     _validate_checkpoint(cfg.checkpoint)
     _validate_runtime(cfg)
     _validate_fault_tolerance(cfg.ft, world_size)
+    _validate_straggler(cfg)
     _validate_not_yet_supported(cfg)
 
 
@@ -262,10 +266,63 @@ def _validate_fault_tolerance(ft: FaultToleranceConfig, world_size: int) -> None
         )
 
 
+def _validate_straggler(cfg: ConfigContainer) -> None:
+    s = cfg.nvrx_straggler
+    if cfg.straggler.log_straggler:
+        if s.enabled:
+            _fail(
+                "straggler.log_straggler",
+                "two straggler detectors are enabled (the legacy one and nvrx_straggler); they time the same steps "
+                "and would report twice",
+                "enable only one: set straggler.log_straggler=false and keep nvrx_straggler.enabled=true",
+            )
+        _fail(
+            "straggler.log_straggler",
+            "the legacy megatron-core straggler detector is not available in megatron.bridge",
+            "set straggler.log_straggler=false and nvrx_straggler.enabled=true",
+        )
+    if not s.enabled:
+        return
+    if not (s.calc_relative_gpu_perf or s.calc_individual_gpu_perf):
+        _fail(
+            "nvrx_straggler.calc_relative_gpu_perf",
+            "both score kinds are off (and nvrx_straggler.calc_individual_gpu_perf), so nothing would be detected",
+            "set nvrx_straggler.calc_relative_gpu_perf=true or nvrx_straggler.calc_individual_gpu_perf=true",
+        )
+    for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+        value = getattr(s, name)
+        if not 0.0 < value <= 1.0:
+            _fail(
+                f"nvrx_straggler.{name}",
+                f"must be in (0, 1], got {value} (a score is this rank's speed over the reference speed)",
+                "use e.g. 0.7 to flag ranks more than ~1.4x slower",
+            )
+    if s.report_time_interval <= 0:
+        _fail(
+            "nvrx_straggler.report_time_interval",
+            f"must be > 0 seconds, got {s.report_time_interval}",
+            "use e.g. 300",
+        )
+    if s.profiling_interval < 1:
+        _fail(
+            "nvrx_straggler.profiling_interval", f"must be >= 1, got {s.profiling_interval}", "use 1 to time every step"
+        )
+    if s.num_gpu_perf_scores_to_print < 0:
+        _fail(
+            "nvrx_straggler.num_gpu_perf_scores_to_print",
+            f"must be >= 0, got {s.num_gpu_perf_scores_to_print}",
+            "use e.g. 5",
+        )
+    if s.stop_if_detected and cfg.checkpoint.save is None:
+        logger.warning(
+            "nvrx_straggler.stop_if_detected is on but checkpoint.save is not set: a straggler stops the run "
+            "without a checkpoint, and the steps since the last one are lost. Set checkpoint.save to keep them."
+        )
+
+
 def _validate_not_yet_supported(cfg: ConfigContainer) -> None:
     """Reject features whose configuration exists but whose runtime this version does not have."""
     enabled = {
-        "nvrx_straggler.enabled": cfg.nvrx_straggler.enabled,
         "inprocess_restart.enabled": cfg.inprocess_restart.enabled,
         "rerun_state_machine.rerun_mode": cfg.rerun_state_machine.rerun_mode != "disabled",
         "train.exit_signal_handler": cfg.train.exit_signal_handler,

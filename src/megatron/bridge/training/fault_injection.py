@@ -1,20 +1,26 @@
-"""Real faults on demand, for drills and tests: a rank hangs, dies or raises at a chosen training step.
+"""Real faults on demand, for drills and tests: a rank hangs, dies, raises or slows down at a chosen training step.
 
-``MBRIDGE_FAULTS="<kind>@<iteration>:<rank>[:always],..."`` with kind ``hang`` (the process stops itself with
-SIGSTOP, as a hung GPU or a deadlock would look from outside), ``kill`` (SIGKILL) or ``exception`` (an uncaught
-``RuntimeError``). A fault strikes when the given rank *starts* that iteration, in the first attempt of a job
-only (``TORCHELASTIC_RESTART_COUNT`` unset or 0) unless ``always`` is given, so that a restarted job can recover.
+``MBRIDGE_FAULTS="<kind>@<iteration>:<rank>[:x<factor>][:always],..."`` with kind ``hang`` (the process stops itself
+with SIGSTOP, as a hung GPU or a deadlock would look from outside), ``kill`` (SIGKILL), ``exception`` (an uncaught
+``RuntimeError``) or ``slow`` (from that iteration on, every forward step of the rank takes ``factor`` times as
+long, default 2: the rank sleeps for the extra time inside the step, as a throttled GPU would compute). A fault
+strikes when the given rank *starts* that iteration, in the first attempt of a job only
+(``TORCHELASTIC_RESTART_COUNT`` unset or 0) unless ``always`` is given, so that a restarted job can recover.
 """
 
+import functools
 import logging
 import os
 import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
 ENV = "MBRIDGE_FAULTS"
-KINDS = ("hang", "kill", "exception")
+KINDS = ("hang", "kill", "exception", "slow")
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,8 @@ class Fault:
     iteration: int
     rank: int
     always: bool = False
+    factor: float = 2.0
+    """How many times longer a ``slow`` rank's forward steps take."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -39,14 +47,22 @@ def parse(spec: str) -> list[Fault]:
             kind, rest = item.split("@")
             parts = rest.split(":")
             iteration, rank = int(parts[0]), int(parts[1])
-            always = parts[2:] == ["always"]
-            if kind not in KINDS or len(parts) > 3 or (len(parts) == 3 and not always):
+            options = parts[2:]
+            always = "always" in options
+            factors = [float(o[1:]) for o in options if o.startswith("x") and kind == "slow"]
+            if (
+                kind not in KINDS
+                or len(options) != always + len(factors)
+                or len(factors) > 1
+                or any(f <= 1 for f in factors)
+            ):
                 raise ValueError
         except (ValueError, IndexError):
             raise ValueError(
-                f"{ENV}: bad item {item!r}; expected <kind>@<iteration>:<rank>[:always] with kind in {KINDS}"
+                f"{ENV}: bad item {item!r}; expected <kind>@<iteration>:<rank>[:x<factor>][:always] with kind in "
+                f"{KINDS} (x<factor> > 1 only for slow)"
             ) from None
-        faults.append(Fault(kind, iteration, rank, always))
+        faults.append(Fault(kind, iteration, rank, always, factors[0] if factors else 2.0))
     return faults
 
 
@@ -68,14 +84,32 @@ class StepFaults:
 
     def __init__(self, rank: int) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self._at = {
-            f.iteration: f.kind
-            for f in parse(os.environ.get(ENV, ""))
-            if f.rank == rank and (f.always or first_attempt)
-        }
+        mine = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and (f.always or first_attempt)]
+        self._at = {f.iteration: f.kind for f in mine if f.kind != "slow"}
+        self._slow: Optional[Fault] = next((f for f in mine if f.kind == "slow"), None)
+        self._slow_now = False
 
     def before_step(self, iteration: int) -> None:
         """Strike if a fault is scheduled for ``iteration`` (the iteration about to run, 1-based)."""
+        if self._slow is not None and iteration >= self._slow.iteration and not self._slow_now:
+            logger.error("fault injection: forward steps %.1fx slower from iteration %d", self._slow.factor, iteration)
+            self._slow_now = True
         kind = self._at.get(iteration)
         if kind is not None:
             strike(kind, f"iteration {iteration}")
+
+    def wrap_forward_step(self, forward_step: Callable) -> Callable:
+        """``forward_step``, made ``factor`` times slower once a ``slow`` fault has struck (unchanged without one)."""
+        if self._slow is None:
+            return forward_step
+        extra = self._slow.factor - 1.0
+
+        @functools.wraps(forward_step)
+        def slowed_forward_step(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = forward_step(*args, **kwargs)
+            if self._slow_now:
+                time.sleep(extra * (time.perf_counter() - start))
+            return out
+
+        return slowed_forward_step

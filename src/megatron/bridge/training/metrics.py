@@ -37,6 +37,12 @@ class MetricsWriter:
             for name, value in metrics.items():
                 self._tb.add_scalar(f"train/{name.replace(' ', '_')}", value, iteration)
 
+    def log_scalars(self, scalars: dict[str, float], iteration: int) -> None:
+        """Write named scalars (e.g. ``straggler/relative_perf_score_min``) to TensorBoard at ``iteration``."""
+        if self._tb is not None:
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, iteration)
+
     def close(self) -> None:
         """Flush and close TensorBoard files."""
         if self._tb is not None:

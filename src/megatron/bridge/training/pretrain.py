@@ -21,6 +21,7 @@ from megatron.bridge.training.initialize import (
     setup_logging,
 )
 from megatron.bridge.training.metrics import MetricsWriter
+from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.train import TrainContext, train
@@ -52,8 +53,10 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
     ft = FaultTolerance(cfg, rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     ft.on_setup_start()
     checkpoints = metrics = None
+    straggler = NVRxStragglerDetectionManager(cfg.nvrx_straggler, rank=int(os.environ.get("RANK", "0")))
     try:
         device = initialize_distributed(cfg)
+        straggler.initialize()
         checkpoints = CheckpointManager(cfg.checkpoint)
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
         set_seeds(cfg.rng.seed)
@@ -75,6 +78,7 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             dp_size=parallel_state.get_data_parallel_world_size(),
             num_workers=cfg.dataset.num_workers,
         )
+        faults = StepFaults(dist.get_rank())
         ctx = TrainContext(
             cfg=cfg,
             model=model,
@@ -82,11 +86,12 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             scheduler=scheduler,
             state=state,
             data_iterator=data_iterator,
-            forward_step_func=forward_step_func,
+            forward_step_func=straggler.wrap_forward_step(faults.wrap_forward_step(forward_step_func)),
             checkpoints=checkpoints,
             metrics=metrics,
             ft=ft,
-            faults=StepFaults(dist.get_rank()),
+            faults=faults,
+            straggler=straggler,
             start_time=start_time,
         )
         ft.on_setup_end()
@@ -106,6 +111,7 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             metrics.close()
         if checkpoints is not None:
             checkpoints.close()
+        straggler.shutdown()
         ft.shutdown()
         destroy_distributed()
 

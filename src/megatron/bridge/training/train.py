@@ -2,13 +2,14 @@
 
 Order of events in one iteration (features hook in at these moments, with their logic in their own modules):
 
-1. fault tolerance: open the ``step`` section (everything up to 5 is inside it); fault drills strike here;
+1. fault tolerance: open the ``step`` section (everything up to 6 is inside it); fault drills strike here;
 2. commit async checkpoint saves that finished on every rank;
-3. forward and backward over the micro-batches, optimizer and scheduler step;
+3. forward and backward over the micro-batches, optimizer and scheduler step (timed by straggler detection);
 4. log metrics;
-5. decide whether to stop (``exit_interval``, ``exit_duration_in_mins``, end of training); close ``step``;
-6. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops;
-7. stop with the exit code of the reason.
+5. straggler detection: count the step; when a report is due, all ranks score each other (may ask to stop);
+6. decide whether to stop (end of training, straggler, ``exit_interval``, ``exit_duration_in_mins``); close ``step``;
+7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops;
+8. stop with the exit code of the reason.
 """
 
 import logging
@@ -26,6 +27,7 @@ from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.metrics import MetricsWriter
+from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class TrainContext:
     metrics: MetricsWriter
     ft: FaultTolerance
     faults: StepFaults
+    straggler: NVRxStragglerDetectionManager
     start_time: float
 
 
@@ -96,11 +99,23 @@ def _duration_exceeded(ctx: TrainContext) -> bool:
     return bool(flag.item())
 
 
-def exit_condition(ctx: TrainContext) -> Optional[tuple[ExitCode, str]]:
-    """The reason to stop after this step, if any."""
+def check_nvrx_straggler_detection(ctx: TrainContext) -> Optional[str]:
+    """Let straggler detection count this step; on a report step, log its scores and return a stop reason, if any."""
+    result = ctx.straggler.check(ctx.state.iteration)
+    if result is None:
+        return None
+    if result.scalars:
+        ctx.metrics.log_scalars(result.scalars, ctx.state.iteration)
+    return result.stop_reason
+
+
+def exit_condition(ctx: TrainContext, straggler_stop: Optional[str] = None) -> Optional[tuple[ExitCode, str]]:
+    """The reason to stop after this step, if any (finishing wins over every early stop)."""
     train, it = ctx.cfg.train, ctx.state.iteration
     if it >= train.train_iters:
         return ExitCode.FINISHED, f"reached train.train_iters={train.train_iters}"
+    if straggler_stop is not None:
+        return ExitCode.STRAGGLER_STOP, straggler_stop
     if train.exit_interval is not None and it % train.exit_interval == 0:
         return ExitCode.EXIT_INTERVAL, f"reached train.exit_interval={train.exit_interval} at iteration {it}"
     if _duration_exceeded(ctx):
@@ -128,12 +143,14 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         ctx.faults.before_step(ctx.state.iteration + 1)
         ctx.checkpoints.finalize(blocking=False)
         log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
-        metrics = train_step(ctx, log_this_step)
+        with ctx.straggler.step_section():
+            metrics = train_step(ctx, log_this_step)
         ctx.state.iteration += 1
         ctx.state.consumed_train_samples += cfg.train.global_batch_size
         if log_this_step:
             ctx.metrics.log_step(ctx.state.iteration, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
-        stop = exit_condition(ctx)
+        straggler_stop = check_nvrx_straggler_detection(ctx)
+        stop = exit_condition(ctx, straggler_stop)
         ctx.ft.on_step_end()
         if _should_save(ctx, stopping=stop is not None):
             ctx.ft.on_checkpoint_start()

@@ -3,7 +3,8 @@
 megatron-core assumes a GPU in a handful of places that the training loop reaches even when the
 model lives on CPU (``use_cpu_initialization=True``) and the process group uses gloo. This module
 patches exactly those places so that a tiny GPT can be trained, checkpointed with
-``dist_checkpointing`` and resumed bit-identically on a CPU-only machine (tests, CI, laptops).
+``dist_checkpointing`` and resumed bit-identically on a CPU-only machine (tests, CI, laptops). The same goes
+for nvidia-resiliency-ext's straggler ``Detector``: without CUDA it times sections only (no kernel scores).
 
 Most shims swap the module-level ``torch`` name of one upstream module for a :class:`_TorchView`:
 it forwards every attribute to the real ``torch`` except that its ``cuda`` attribute answers the
@@ -250,6 +251,48 @@ def _shim_rerun_state_machine() -> None:
     _install_torch_view("megatron.core.rerun_state_machine")
 
 
+class _NoKernelProfiler:
+    """Stand-in for nvidia-resiliency-ext's ``CuptiManager``: records no CUDA kernels, so GPU scores are NaN."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def initialize(self) -> None:
+        """Nothing to set up."""
+
+    def shutdown(self) -> None:
+        """Nothing to tear down."""
+
+    def start_profiling(self) -> None:
+        """No kernels to capture."""
+
+    def stop_profiling(self) -> None:
+        """No kernels to capture."""
+
+    def get_results(self) -> dict:
+        """No kernel statistics."""
+        return {}
+
+    def reset_results(self) -> None:
+        """Nothing recorded."""
+
+
+def _shim_straggler_detector() -> None:
+    from megatron.bridge.utils.optional_imports import STRAGGLER_PACKAGES
+
+    for package in STRAGGLER_PACKAGES:
+        detector = _import(f"{package}.straggler")
+        if detector is None:
+            continue
+        # Detector.initialize builds a CuptiManager, whose compiled module needs libcupti (a CUDA library).
+        detector.CuptiManager = _NoKernelProfiler
+        # Detector.generate_report calls torch.cuda.synchronize().
+        _install_torch_view(detector.__name__)
+        # ReportIntervalTracker moves the report interval to torch.cuda.current_device() before all-reducing it.
+        _install_torch_view(f"{package}.interval_tracker")
+        return
+
+
 _SHIMS: dict[str, Callable[[], None]] = {
     "global_memory_buffer": _shim_global_memory_buffer,
     "rng_tracker": _shim_rng_tracker,
@@ -259,11 +302,12 @@ _SHIMS: dict[str, Callable[[], None]] = {
     "schedules": _shim_schedules,
     "dist_checkpointing": _shim_dist_checkpointing,
     "rerun_state_machine": _shim_rerun_state_machine,
+    "straggler_detector": _shim_straggler_detector,
 }
 
 
 def apply_cpu_shims() -> None:
-    """Patch megatron-core so that training, DDP, the optimizer and checkpointing run on CPU.
+    """Patch upstream code so that training, DDP, the optimizer, checkpointing and straggler timing run on CPU.
 
     Idempotent; does nothing when CUDA is available.
     """
@@ -274,7 +318,7 @@ def apply_cpu_shims() -> None:
         shim()
         logger.debug("cpu_shims: applied %s", name)
     _APPLIED = True
-    logger.info("cpu_shims: applied %d megatron-core CPU shims", len(_SHIMS))
+    logger.info("cpu_shims: applied %d CPU shims", len(_SHIMS))
 
 
 def use_persistent_async_worker() -> bool:

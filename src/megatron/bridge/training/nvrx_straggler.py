@@ -1,0 +1,279 @@
+"""NVRx straggler detection: per-rank performance scores from nvidia-resiliency-ext's straggler ``Detector``.
+
+Every rank times two detection sections per step: the whole training step (its CUDA kernels are profiled, which
+gives the "GPU" scores) and each forward step (CPU wall time). Every ``report_time_interval`` seconds, turned by the
+detector into a number of steps that is the same on every rank, all ranks build a report together:
+
+* a *relative* score is the fastest rank's time over this rank's time (0.5: this rank is 2x slower than the best);
+* an *individual* score is this rank's best time so far over its current time (0.5: 2x slower than it used to be).
+
+Rank 0 logs the report in the format NeMo users know (``GPU relative performance:``, ``Worst performing N/M
+ranks:``, ``Rank=… Node=… Score=…``, ``Straggler report processing time: … sec.``) and flags every rank whose score
+is below its threshold. With ``stop_if_detected`` rank 0 broadcasts the decision, so all ranks stop after the same
+step (the train loop then saves and exits with ``ExitCode.STRAGGLER_STOP``).
+
+Without CUDA there are no kernel timings: the scores then come from the forward step's wall time, which excludes
+the gradient all-reduce (in the whole step every rank waits for the slowest one, so all would look alike), and
+the report says so.
+
+Example:
+    >>> manager = NVRxStragglerDetectionManager(cfg.nvrx_straggler, rank=0)
+    >>> manager.initialize()  # after torch.distributed is initialized
+    >>> forward_step = manager.wrap_forward_step(forward_step)
+    >>> with manager.step_section():
+    ...     train_step()
+    >>> result = manager.check(iteration)  # every step, on every rank
+"""
+
+import contextlib
+import functools
+import logging
+import math
+import socket
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from megatron.bridge.training.config import NVRxStragglerDetectionConfig
+from megatron.bridge.utils.optional_imports import straggler_package
+
+logger = logging.getLogger(__name__)
+
+STEP_SECTION = "train_step"
+"""Detection section around the whole training step; its CUDA kernels give the GPU scores."""
+FORWARD_SECTION = "forward_step"
+"""Detection section around each forward step; its wall time gives the scores when there is no kernel timing."""
+
+KERNEL_SOURCE = "CUDA kernel timing"
+WALL_TIME_SOURCE = "wall time of the forward step; CUDA kernel timing is not available here"
+
+
+@dataclass(frozen=True)
+class ScoreBlock:
+    """One kind of score for every rank, with the threshold below which a rank is flagged."""
+
+    title: str
+    """``"GPU relative performance"`` or ``"GPU individual performance"``."""
+    setting: str
+    """The config field holding the threshold, for messages."""
+    scores: Mapping[int, float]
+    """Rank -> score in (0, 1]; NaN when the rank has no timing for this report."""
+    threshold: float
+
+    def flagged(self) -> list[int]:
+        """Ranks scoring below the threshold, worst first (NaN scores are never flagged)."""
+        low = [r for r, s in self.scores.items() if not math.isnan(s) and s < self.threshold]
+        return sorted(low, key=lambda r: self.scores[r])
+
+    def stats(self) -> dict[str, float]:
+        """Minimum, median and maximum over the ranks that have a score."""
+        values = [s for s in self.scores.values() if not math.isnan(s)]
+        if not values:
+            return {}
+        return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+@dataclass
+class StragglerReport:
+    """What rank 0 learned from one report."""
+
+    iteration: int
+    source: str
+    """Where the scores come from: :data:`KERNEL_SOURCE` or :data:`WALL_TIME_SOURCE`."""
+    blocks: list[ScoreBlock]
+    rank_to_node: Mapping[int, str]
+    processing_time: float = 0.0
+    """Seconds spent building the report (all ranks take part)."""
+
+    def flagged(self) -> list[str]:
+        """One line per flagged (rank, score kind)."""
+        lines = []
+        for block in self.blocks:
+            for rank in block.flagged():
+                lines.append(
+                    f"Rank={rank} Node={self.rank_to_node.get(rank, '<unk>')} {block.title} "
+                    f"Score={block.scores[rank]:.2f} < {block.setting}={block.threshold}"
+                )
+        return lines
+
+    def format(self, num_to_print: int) -> str:
+        """The report text: the blocks of seed format, then the processing time."""
+        lines = [f"Straggler report at iteration {self.iteration} (scores from {self.source}):"]
+        for block in self.blocks:
+            lines.append(f"{block.title}:")
+            ranked = sorted(block.scores, key=lambda r: _sort_key(block.scores[r]))
+            n = min(num_to_print, len(ranked))
+            for label, ranks in (("Worst", ranked[:n]), ("Best", ranked[::-1][:n])):
+                lines.append(f"{label} performing {n}/{len(ranked)} ranks:")
+                lines += [
+                    f"Rank={r} Node={self.rank_to_node.get(r, '<unk>')} Score={block.scores[r]:.2f}" for r in ranks
+                ]
+        lines.append(f"Straggler report processing time: {self.processing_time:.3f} sec.")
+        return "\n".join(lines)
+
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard scalars: min/median/max of each score kind and the number of flagged ranks."""
+        out: dict[str, float] = {}
+        for block in self.blocks:
+            kind = "relative" if "relative" in block.title else "individual"
+            for stat, value in block.stats().items():
+                out[f"straggler/{kind}_perf_score_{stat}"] = value
+        out["straggler/flagged_ranks"] = float(len({r for block in self.blocks for r in block.flagged()}))
+        return out
+
+
+def _sort_key(score: float) -> tuple[bool, float]:
+    """Worst first: low scores, and NaN (no timing) after every real score."""
+    return (math.isnan(score), score)
+
+
+@dataclass
+class StragglerCheck:
+    """The outcome of a report step on this rank."""
+
+    report: Optional[StragglerReport] = None
+    """The report (rank 0 only)."""
+    stop_reason: Optional[str] = None
+    """Set on every rank when training must stop (``stop_if_detected`` and a rank was flagged)."""
+    scalars: dict[str, float] = field(default_factory=dict)
+    """Score statistics to log (rank 0, ``enable_logging``)."""
+
+
+class NVRxStragglerDetectionManager:
+    """Owns the (process-global) ``Detector`` for one training run; every method is a no-op when disabled."""
+
+    def __init__(self, cfg: NVRxStragglerDetectionConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.enabled = cfg.enabled
+        self._detector: Any = None
+
+    def initialize(self) -> None:
+        """Set up the detector; call on every rank after ``torch.distributed`` is initialized."""
+        if not self.enabled:
+            return
+        detector = straggler_package().Detector
+        scores = []
+        if self.cfg.calc_relative_gpu_perf:
+            scores.append("relative_perf_scores")
+        if self.cfg.calc_individual_gpu_perf:
+            scores.append("individual_perf_scores")
+        detector.initialize(
+            scores_to_compute=scores,
+            gather_on_rank0=True,
+            profiling_interval=self.cfg.profiling_interval,
+            report_time_interval=self.cfg.report_time_interval,
+            node_name=socket.gethostname(),
+        )
+        self._detector = detector
+        logger.info(
+            "NVRx straggler detection on: report every %.1f s, thresholds relative %s / individual %s, "
+            "stop_if_detected=%s",
+            self.cfg.report_time_interval,
+            self.cfg.gpu_relative_perf_threshold if self.cfg.calc_relative_gpu_perf else "off",
+            self.cfg.gpu_individual_perf_threshold if self.cfg.calc_individual_gpu_perf else "off",
+            self.cfg.stop_if_detected,
+        )
+
+    def wrap_forward_step(self, forward_step: Callable) -> Callable:
+        """Time every call of ``forward_step`` in the forward detection section."""
+        if not self.enabled:
+            return forward_step
+
+        @functools.wraps(forward_step)
+        def timed_forward_step(*args: Any, **kwargs: Any) -> Any:
+            with self._detector.detection_section(FORWARD_SECTION, profile_cuda=False):
+                return forward_step(*args, **kwargs)
+
+        return timed_forward_step
+
+    def step_section(self) -> contextlib.AbstractContextManager:
+        """Context manager around one training step (CUDA kernels inside are profiled)."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return self._detector.detection_section(STEP_SECTION, profile_cuda=True)
+
+    def check(self, iteration: int) -> Optional[StragglerCheck]:
+        """Count this step; when a report is due, build it on all ranks and decide whether to stop.
+
+        Call on every rank after every step: the report and the stop decision are collective.
+
+        Returns:
+            ``None`` when no report was due, else the outcome for this rank.
+        """
+        if not self.enabled:
+            return None
+        start = time.perf_counter()
+        raw = self._detector.generate_report_if_interval_elapsed()
+        if not self._detector.is_interval_elapsed():
+            return None
+        result = StragglerCheck()
+        if raw is not None:  # rank 0
+            report = self._build_report(raw, iteration)
+            report.processing_time = time.perf_counter() - start
+            logger.info("%s", report.format(self.cfg.num_gpu_perf_scores_to_print))
+            for line in report.flagged():
+                logger.warning("Straggler detected: %s", line)
+            if self.cfg.enable_logging:
+                result.scalars = report.scalars()
+            if self.cfg.stop_if_detected and report.flagged():
+                result.stop_reason = (
+                    f"straggler detected at iteration {iteration} ({'; '.join(report.flagged())}) "
+                    "with nvrx_straggler.stop_if_detected=true"
+                )
+            result.report = report
+        if self.cfg.stop_if_detected:
+            result.stop_reason = _broadcast_from_rank0(result.stop_reason)
+        return result
+
+    def _build_report(self, raw: Any, iteration: int) -> StragglerReport:
+        """Pick kernel scores when any rank has them, else the forward section's wall-time scores."""
+        use_kernels = any(
+            not math.isnan(s)
+            for s in [*raw.gpu_relative_perf_scores.values(), *raw.gpu_individual_perf_scores.values()]
+        )
+        blocks = []
+        kinds = (
+            ("relative", self.cfg.calc_relative_gpu_perf, self.cfg.gpu_relative_perf_threshold),
+            ("individual", self.cfg.calc_individual_gpu_perf, self.cfg.gpu_individual_perf_threshold),
+        )
+        for kind, on, threshold in kinds:
+            if not on:
+                continue
+            if use_kernels:
+                scores = getattr(raw, f"gpu_{kind}_perf_scores")
+            else:
+                scores = getattr(raw, f"section_{kind}_perf_scores").get(FORWARD_SECTION, {})
+            blocks.append(
+                ScoreBlock(
+                    title=f"GPU {kind} performance",
+                    setting=f"nvrx_straggler.gpu_{kind}_perf_threshold",
+                    scores=dict(scores),
+                    threshold=threshold,
+                )
+            )
+        return StragglerReport(
+            iteration=iteration,
+            source=KERNEL_SOURCE if use_kernels else WALL_TIME_SOURCE,
+            blocks=blocks,
+            rank_to_node=dict(raw.rank_to_node),
+        )
+
+    def shutdown(self) -> None:
+        """Release the detector (it is process-global); idempotent."""
+        if self._detector is not None:
+            self._detector.shutdown()
+            self._detector = None
+
+
+def _broadcast_from_rank0(value: Optional[str]) -> Optional[str]:
+    """Rank 0's value on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,100 @@
+"""Straggler drills: a real 2-rank run scores its ranks; a rank slowed 2x is flagged, stops the run, and it resumes.
+
+Reports come every ``report_time_interval`` seconds; nvidia-resiliency-ext first spends 16 steps measuring the step
+time to turn that into a number of steps, so runs here are 150 steps long with a report every second (~25 steps).
+Shorter intervals make the scores of a busy 2-core machine noisy: a median over a handful of ~4 ms forward steps
+moves by 30% when the OS schedules something else.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+from tests.functional_tests.harness import Run, assert_same_state, checkpoint_state, tail, torchrun
+
+STRAGGLER = [
+    "train.train_iters=150",
+    "checkpoint.save_interval=50",
+    "nvrx_straggler.enabled=true",
+    "nvrx_straggler.report_time_interval=1.0",
+]
+_REPORT_RE = re.compile(r"Straggler report at iteration (\d+) \(scores from ([^)]*)\):\n((?:.*\n)*?)Straggler report")
+_SCORE_RE = re.compile(r"Rank=(\d+) Node=\S+ Score=(\S+)")
+
+
+def reports(run: Run) -> list[tuple[int, str, dict[str, dict[int, float]]]]:
+    """Every report rank 0 logged: (iteration, score source, {block title: {rank: score}})."""
+    out = []
+    for match in _REPORT_RE.finditer(run.output):
+        blocks: dict[str, dict[int, float]] = {}
+        title = None
+        for line in match.group(3).splitlines():
+            if line.startswith("GPU "):
+                title = line.rstrip(":")
+                blocks[title] = {}
+            elif title is not None and (score := _SCORE_RE.match(line)):
+                blocks[title][int(score.group(1))] = float(score.group(2))
+        out.append((int(match.group(1)), match.group(2), blocks))
+    return out
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory) -> tuple[Run, Path, Path]:
+    """150 steps with straggler detection and no slowed rank; TensorBoard on."""
+    root = tmp_path_factory.mktemp("straggler_healthy")
+    run = torchrun(root / "ckpt", *STRAGGLER, f"logger.tensorboard_dir={root / 'tb'}")
+    assert run.exit_code == 0, tail(run)
+    return run, root / "ckpt", root / "tb"
+
+
+def test_no_rank_is_flagged_without_a_straggler(healthy):
+    run = healthy[0]
+    found = reports(run)
+    assert len(found) >= 4, tail(run)
+    for iteration, source, blocks in found:
+        assert "wall time of the forward step" in source  # no CUDA here, and the report says so
+        assert set(blocks) == {"GPU relative performance", "GPU individual performance"}
+        for title, scores in blocks.items():
+            assert set(scores) == {0, 1}, (iteration, title)
+            assert all(0.7 <= s <= 1.0 for s in scores.values()), (iteration, title, scores)
+    assert "Straggler detected" not in run.output
+    assert re.search(r"Straggler report processing time: \d+\.\d{3} sec\.", run.output)
+
+
+def test_scores_are_written_to_tensorboard(healthy):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _, tb = healthy
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    report_steps = [iteration for iteration, _, _ in reports(run)]
+    for kind in ("relative", "individual"):
+        for stat in ("min", "median", "max"):
+            scalars = events.Scalars(f"straggler/{kind}_perf_score_{stat}")
+            assert [s.step for s in scalars] == report_steps
+            assert all(0.0 < s.value <= 1.0 for s in scalars)
+    assert [s.value for s in events.Scalars("straggler/flagged_ranks")] == [0.0] * len(report_steps)
+
+
+def test_slowed_rank_is_flagged_stops_all_ranks_and_training_resumes(healthy, tmp_path):
+    reference, reference_ckpt, _ = healthy
+    ckpt = tmp_path / "ckpt"
+    slowed = torchrun(ckpt, *STRAGGLER, "nvrx_straggler.stop_if_detected=true", env={"MBRIDGE_FAULTS": "slow@1:1:x2"})
+    assert slowed.exit_code == 21, tail(slowed)  # ExitCode.STRAGGLER_STOP
+    (stop_at, _, blocks), *_ = reports(slowed)
+    assert blocks["GPU relative performance"][1] < 0.7, blocks
+    assert blocks["GPU relative performance"][0] == 1.0, blocks
+    assert re.search(r"Straggler detected: Rank=1 Node=\S+ GPU relative performance", slowed.output)
+    for rank in (0, 1):
+        assert f"[rank{rank}] INFO megatron.bridge.training.pretrain: training stopped at iteration {stop_at}: " in (
+            slowed.output
+        ), tail(slowed)
+    assert (ckpt / f"iter_{stop_at:07d}").is_dir()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stop_at)
+
+    resumed = torchrun(ckpt, *STRAGGLER)
+    assert resumed.exit_code == 0, tail(resumed)
+    assert f"at iteration {stop_at}" in resumed.output
+    ref_losses = reference.losses()
+    assert resumed.losses() == {i: ref_losses[i] for i in range(stop_at + 1, 151)}
+    assert_same_state(checkpoint_state(ckpt / "iter_0000150"), checkpoint_state(reference_ckpt / "iter_0000150"))
