@@ -18,7 +18,18 @@ def test_parse_accepts_every_kind_and_option():
 
 
 @pytest.mark.parametrize(
-    "spec", ["hang", "hang@x:1", "melt@1:0", "kill@1:0:x2", "slow@1:0:x1", "slow@1:0:x2:x3", "hang@1:0:sometimes"]
+    "spec",
+    [
+        "hang",
+        "hang@x:1",
+        "melt@1:0",
+        "kill@1:0:x2",
+        "slow@1:0:x1",
+        "slow@1:0:x2:x3",
+        "slow@1:0:xnan",
+        "slow@1:0:xinf",
+        "hang@1:0:sometimes",
+    ],
 )
 def test_parse_rejects_malformed_items(spec):
     with pytest.raises(ValueError, match=fault_injection.ENV):

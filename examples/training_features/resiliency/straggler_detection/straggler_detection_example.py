@@ -9,14 +9,16 @@
     ... --slow-rank 1 nvrx_straggler.stop_if_detected=true checkpoint.save=/tmp/ckpt
         the run saves a checkpoint at the first report that flags rank 1 and exits with code 21 on every rank
 
-Any other argument is a dotted config override (``nvrx_straggler.report_time_interval=5``). On GPUs the scores
-come from CUDA kernel timings; ``--slow-rank`` makes a rank sleep inside its forward step, which kernel timings do
-not see, so on GPUs it shows up only in the CPU-side section timings, not in the GPU scores.
+Any other argument is a dotted config override (``nvrx_straggler.report_time_interval=5``). ``--slow-rank`` is a
+CPU demonstration: the rank sleeps inside its forward step. On GPUs the scores come from CUDA kernel timings, which
+a sleep does not change, so there it is not flagged (a GPU whose kernels really run slower is).
 """
 
 import argparse
 import os
 import sys
+
+import torch
 
 from megatron.bridge.models.gpt import gpt_forward_step
 from megatron.bridge.recipes.tiny_gpt import tiny_gpt_config
@@ -56,4 +58,6 @@ if __name__ == "__main__":  # the guard matters: checkpoint writers spawn helper
     args, overrides = parse_args(sys.argv[1:])
     if args.slow_rank is not None:
         os.environ[FAULTS_ENV] = f"slow@1:{args.slow_rank}:x{args.slow_factor}"
+        if torch.cuda.is_available():
+            print("--slow-rank sleeps on the CPU; GPU (kernel) scores will not flag it", file=sys.stderr)
     main(straggler_config, gpt_forward_step, overrides)

@@ -214,7 +214,8 @@ class NVRxStragglerDetectionConfig:
     enable_logging: bool = True
     """Send score statistics to TensorBoard."""
     profiling_interval: int = 1
-    """Time every this many entries of each detection section (1 = every step)."""
+    """Time every n-th entry of each detection section (the step section once per step, the forward section once
+    per micro-batch); 1 times all of them."""
 
 
 @dataclass

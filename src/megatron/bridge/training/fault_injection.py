@@ -3,7 +3,8 @@
 ``MBRIDGE_FAULTS="<kind>@<iteration>:<rank>[:x<factor>][:always],..."`` with kind ``hang`` (the process stops itself
 with SIGSTOP, as a hung GPU or a deadlock would look from outside), ``kill`` (SIGKILL), ``exception`` (an uncaught
 ``RuntimeError``) or ``slow`` (from that iteration on, every forward step of the rank takes ``factor`` times as
-long, default 2: the rank sleeps for the extra time inside the step, as a throttled GPU would compute). A fault
+long, default 2: the rank sleeps for the extra time inside the step; CPU-side timing sees it, CUDA kernel timing
+does not). A fault
 strikes when the given rank *starts* that iteration, in the first attempt of a job only
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0) unless ``always`` is given, so that a restarted job can recover.
 """
@@ -54,13 +55,13 @@ def parse(spec: str) -> list[Fault]:
                 kind not in KINDS
                 or len(options) != always + len(factors)
                 or len(factors) > 1
-                or any(f <= 1 for f in factors)
+                or not all(1 < f < 1e3 for f in factors)
             ):
                 raise ValueError
         except (ValueError, IndexError):
             raise ValueError(
                 f"{ENV}: bad item {item!r}; expected <kind>@<iteration>:<rank>[:x<factor>][:always] with kind in "
-                f"{KINDS} (x<factor> > 1 only for slow)"
+                f"{KINDS} (x<factor> in (1, 1000) only for slow)"
             ) from None
         faults.append(Fault(kind, iteration, rank, always, factors[0] if factors else 2.0))
     return faults

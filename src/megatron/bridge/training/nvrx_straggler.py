@@ -101,14 +101,16 @@ class StragglerReport:
         return lines
 
     def format(self, num_to_print: int) -> str:
-        """The report text: the blocks of seed format, then the processing time."""
+        """The report text: per score kind the worst and the best ranks (NaN, no timing, listed last), then the time."""
         lines = [f"Straggler report at iteration {self.iteration} (scores from {self.source}):"]
         for block in self.blocks:
             lines.append(f"{block.title}:")
-            ranked = sorted(block.scores, key=lambda r: _sort_key(block.scores[r]))
-            n = min(num_to_print, len(ranked))
-            for label, ranks in (("Worst", ranked[:n]), ("Best", ranked[::-1][:n])):
-                lines.append(f"{label} performing {n}/{len(ranked)} ranks:")
+            scores = block.scores
+            worst = sorted(scores, key=lambda r: (math.isnan(scores[r]), scores[r]))
+            best = sorted(scores, key=lambda r: (math.isnan(scores[r]), -scores[r]))
+            n = min(num_to_print, len(worst))
+            for label, ranks in (("Worst", worst[:n]), ("Best", best[:n])):
+                lines.append(f"{label} performing {n}/{len(worst)} ranks:")
                 lines += [
                     f"Rank={r} Node={self.rank_to_node.get(r, '<unk>')} Score={block.scores[r]:.2f}" for r in ranks
                 ]
@@ -124,11 +126,6 @@ class StragglerReport:
                 out[f"straggler/{kind}_perf_score_{stat}"] = value
         out["straggler/flagged_ranks"] = float(len({r for block in self.blocks for r in block.flagged()}))
         return out
-
-
-def _sort_key(score: float) -> tuple[bool, float]:
-    """Worst first: low scores, and NaN (no timing) after every real score."""
-    return (math.isnan(score), score)
 
 
 @dataclass

@@ -107,11 +107,11 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
         raise
     finally:
+        straggler.shutdown()  # first: the detector is process-global, a later pretrain() in this process needs it
         if metrics is not None:
             metrics.close()
         if checkpoints is not None:
             checkpoints.close()
-        straggler.shutdown()
         ft.shutdown()
         destroy_distributed()
 
