@@ -12,7 +12,8 @@ whatever the step computes, so this measures its overhead at a given step time. 
 
 Two numbers are printed: the A/B ratio (median over pairs of on/off block time; noisy, its spread is shown) and the
 directly accounted cost: time spent inside ``check`` (reports included) plus the cost of the two sections around
-an empty step, per step, over the off-mode step time.
+an empty step, per step, over the off-mode step time. It is an upper bound: a report's collectives also absorb
+the ranks' skew, which the next gradient all-reduce would otherwise wait for.
 
     python benchmarks/straggler_overhead.py [--step-ms 100] [--pairs 15] [--report-interval 2]
 """
@@ -33,12 +34,15 @@ from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManage
 
 
 def _calibrate(step_s: float) -> tuple[torch.Tensor, int]:
-    """A matrix and the number of its products that take ``step_s`` on this rank (rank 0's count is used)."""
+    """A matrix and the number of its products that take ``step_s`` (rank 0's count is used by both ranks)."""
     a = torch.randn(256, 256)
-    start = time.perf_counter()
-    for _ in range(20):
+    for _ in range(20):  # warm up: the first products are slower
         a @ a
-    per_product = (time.perf_counter() - start) / 20
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        a @ a
+        done += 1
+    per_product = (time.perf_counter() - start) / done
     count = torch.tensor([max(1, round(step_s / per_product))])
     dist.broadcast(count, src=0)
     return a, int(count.item())
