@@ -116,7 +116,7 @@ INVALID = [
     ),
     (["inprocess_restart.enabled=true"], 1, "inprocess_restart.enabled"),
     (["rerun_state_machine.rerun_mode=validate_results"], 1, "rerun_state_machine.rerun_mode"),
-    (["train.exit_signal_handler=true"], 1, "train.exit_signal_handler"),
+    (["train.exit_signal_deadline=0"], 1, "train.exit_signal_deadline"),
     (["checkpoint.non_persistent_ckpt_type=local"], 1, "checkpoint.non_persistent_ckpt_type"),
 ]
 

@@ -9,6 +9,7 @@ from megatron.bridge.training.fault_injection import Fault, StepFaults, parse
 
 
 def test_parse_accepts_every_kind_and_option():
+    assert parse("sigterm@4:1,sigterm-tree@6:0") == [Fault("sigterm", 4, 1), Fault("sigterm-tree", 6, 0)]
     assert parse("hang@3:1, kill@5:0:always,slow@1:1,slow@2:0:x3.5:always") == [
         Fault("hang", 3, 1),
         Fault("kill", 5, 0, always=True),

@@ -6,7 +6,8 @@ sequence is an arithmetic progression modulo the vocabulary with a random start 
 it and the loss visibly falls.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -70,13 +71,18 @@ def build_data_iterator(
     dp_rank: int,
     dp_size: int,
     num_workers: int = 0,
+    worker_init_fn: Optional[Callable[[int], None]] = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Iterator of micro-batches for this rank that resumes at ``consumed_samples``."""
+    """Iterator of micro-batches for this rank that resumes at ``consumed_samples``.
+
+    ``worker_init_fn`` runs in each worker process at its start (e.g. to ignore the preemption signal).
+    """
     loader = DataLoader(
         MockGPTDataset(vocab_size, seq_length, seed),
         batch_sampler=PositionedBatchSampler(consumed_samples, micro_batch_size, dp_rank, dp_size),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        worker_init_fn=worker_init_fn,
         # A private generator: creating the iterator must not draw from the global RNG, or a resumed run (which
         # creates it after restoring the RNG) would diverge from one that never stopped.
         generator=torch.Generator().manual_seed(seed),

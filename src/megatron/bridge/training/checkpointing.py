@@ -123,7 +123,13 @@ def _sharded_state_dict(
 
 
 def _results_queue_manager_dies_with_parent(parent_pid: int) -> None:
-    """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux)."""
+    """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux).
+
+    It ignores the usual preemption signals: Slurm signals every process of a job step, and a manager that died
+    on them would fail the very save the training process makes before it exits.
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         import ctypes
 

@@ -70,7 +70,11 @@ class TrainConfig:
     exit_signal: signal.Signals = signal.SIGTERM
     """Signal that triggers the save-and-exit path when ``exit_signal_handler`` is on."""
     exit_signal_handler_for_dataloader: bool = False
-    """Also install the handler in data-loader workers so they survive until the save."""
+    """Make data-loader workers ignore ``exit_signal`` so they survive until the save (with ``num_workers > 0``)."""
+    exit_signal_deadline: Optional[float] = 50.0
+    """Seconds from the signal to the exit: a save still running then is abandoned (it is never loaded; the newest
+    committed checkpoint stays the one to resume from) and the process exits 18. Keep it below the scheduler's
+    grace time (``PreemptionPlugin.preempt_time``, Slurm ``KillWait``); ``None`` waits for the save however long."""
 
 
 @dataclass

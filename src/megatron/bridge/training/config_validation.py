@@ -135,6 +135,12 @@ def _validate_train(t: TrainConfig, m: ModelConfig, world_size: int) -> None:
             f"{signal.Signals(t.exit_signal).name} cannot be caught",
             "use SIGTERM, SIGUSR1 or SIGUSR2",
         )
+    if t.exit_signal_deadline is not None and t.exit_signal_deadline <= 0:
+        _fail(
+            "train.exit_signal_deadline",
+            f"must be > 0 seconds or None, got {t.exit_signal_deadline}",
+            "use a few seconds less than the scheduler waits between its signal and SIGKILL, e.g. 50",
+        )
     if t.exit_signal_handler_for_dataloader and not t.exit_signal_handler:
         _fail(
             "train.exit_signal_handler_for_dataloader",
@@ -325,7 +331,6 @@ def _validate_not_yet_supported(cfg: ConfigContainer) -> None:
     enabled = {
         "inprocess_restart.enabled": cfg.inprocess_restart.enabled,
         "rerun_state_machine.rerun_mode": cfg.rerun_state_machine.rerun_mode != "disabled",
-        "train.exit_signal_handler": cfg.train.exit_signal_handler,
         "checkpoint.non_persistent_ckpt_type": cfg.checkpoint.non_persistent_ckpt_type is not None,
     }
     for name, on in enabled.items():

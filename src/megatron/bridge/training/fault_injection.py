@@ -2,7 +2,9 @@
 
 ``MBRIDGE_FAULTS="<kind>@<iteration>:<rank>[:x<factor>][:always],..."`` with kind ``hang`` (the process stops itself
 with SIGSTOP, as a hung GPU or a deadlock would look from outside), ``kill`` (SIGKILL), ``exception`` (an uncaught
-``RuntimeError``) or ``slow`` (from that iteration on, every forward step of the rank takes ``factor`` times as
+``RuntimeError``), ``sigterm`` (the rank receives SIGTERM, as from a scheduler that preempts the job),
+``sigterm-tree`` (the rank and every process it started receive SIGTERM, as Slurm signals a job step) or ``slow``
+(from that iteration on, every forward step of the rank takes ``factor`` times as
 long, default 2: the rank sleeps for the extra time inside the step; CPU-side timing sees it, CUDA kernel timing
 does not). A fault
 strikes when the given rank *starts* that iteration, in the first attempt of a job only
@@ -21,7 +23,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 ENV = "MBRIDGE_FAULTS"
-KINDS = ("hang", "kill", "exception", "slow")
+KINDS = ("hang", "kill", "exception", "sigterm", "sigterm-tree", "slow")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,26 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (Linux ``/proc``), children before grandchildren."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop(0)
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # exited meanwhile
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
 def strike(kind: str, where: str) -> None:
     """Make this process fail the way ``kind`` says."""
     logger.error("fault injection: %s at %s (pid %d)", kind, where, os.getpid())
@@ -76,6 +98,11 @@ def strike(kind: str, where: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif kind == "sigterm-tree":
+        for pid in [*_descendants(os.getpid()), os.getpid()]:
+            os.kill(pid, signal.SIGTERM)
     else:
         raise RuntimeError(f"fault injection: exception at {where}")
 

@@ -1,5 +1,7 @@
 """Entry point: ``pretrain(cfg, forward_step_func)`` and the command-line wrapper used by the example scripts."""
 
+import contextlib
+import functools
 import logging
 import os
 import sys
@@ -26,6 +28,7 @@ from megatron.bridge.training.optimizer import build_optimizer, build_scheduler,
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
+from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, ignore_in_worker
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,12 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
 
     ft = FaultTolerance(cfg, rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     ft.on_setup_start()
-    checkpoints = metrics = None
+    checkpoints = metrics = ctx = None
     straggler = NVRxStragglerDetectionManager(cfg.nvrx_straggler, rank=int(os.environ.get("RANK", "0")))
+    signals = DistributedSignalHandler(cfg.train.exit_signal)
+    handlers = contextlib.ExitStack()
+    if cfg.train.exit_signal_handler:  # never trap the scheduler's signal unless asked to
+        handlers.enter_context(signals)
     try:
         device = initialize_distributed(cfg)
         straggler.initialize()
@@ -77,6 +84,11 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             num_workers=cfg.dataset.num_workers,
+            worker_init_fn=(
+                functools.partial(ignore_in_worker, int(cfg.train.exit_signal))
+                if cfg.train.exit_signal_handler_for_dataloader
+                else None
+            ),
         )
         faults = StepFaults(dist.get_rank())
         ctx = TrainContext(
@@ -92,6 +104,7 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             ft=ft,
             faults=faults,
             straggler=straggler,
+            signals=signals,
             start_time=start_time,
         )
         ft.on_setup_end()
@@ -114,6 +127,9 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             checkpoints.close()
         ft.shutdown()
         destroy_distributed()
+        if ctx is not None and ctx.deadline is not None:
+            ctx.deadline.cancel()
+        handlers.close()
 
 
 def main(

@@ -7,7 +7,8 @@ Order of events in one iteration (features hook in at these moments, with their 
 3. forward and backward over the micro-batches, optimizer and scheduler step (timed by straggler detection);
 4. log metrics;
 5. straggler detection: count the step; when a report is due, all ranks score each other (may ask to stop);
-6. decide whether to stop (end of training, straggler, ``exit_interval``, ``exit_duration_in_mins``); close ``step``;
+6. decide whether to stop (end of training, exit signal on any rank, straggler, ``exit_interval``,
+   ``exit_duration_in_mins``); on a signal, start the stop deadline; close ``step``;
 7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops;
 8. stop with the exit code of the reason.
 """
@@ -29,6 +30,7 @@ from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.state import TrainState
+from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, StopDeadline
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,10 @@ class TrainContext:
     ft: FaultTolerance
     faults: StepFaults
     straggler: NVRxStragglerDetectionManager
+    signals: DistributedSignalHandler
     start_time: float
+    deadline: Optional[StopDeadline] = None
+    """Running while a preempted run saves and exits."""
 
 
 def train_step(ctx: TrainContext, log_this_step: bool) -> dict[str, float]:
@@ -87,16 +92,21 @@ def train_step(ctx: TrainContext, log_this_step: bool) -> dict[str, float]:
     return metrics
 
 
-def _duration_exceeded(ctx: TrainContext) -> bool:
-    """Whether ``exit_duration_in_mins`` has passed on any rank (all ranks agree: MAX all-reduce)."""
-    limit = ctx.cfg.train.exit_duration_in_mins
-    if limit is None:
-        return False
+def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
+    """(a rank received the exit signal, ``exit_duration_in_mins`` passed on a rank), agreed by every rank.
+
+    One MAX all-reduce of two integers per step, and none when neither feature is on.
+    """
+    train = ctx.cfg.train
+    if not train.exit_signal_handler and train.exit_duration_in_mins is None:
+        return False, False
+    signalled = ctx.signals.signals_received()
     elapsed_min = (time.time() - ctx.start_time) / 60.0
+    timed_out = train.exit_duration_in_mins is not None and elapsed_min >= train.exit_duration_in_mins
     device = next(ctx.model.parameters()).device
-    flag = torch.tensor([1 if elapsed_min >= limit else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    flags = torch.tensor([int(signalled), int(timed_out)], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0].item()), bool(flags[1].item())
 
 
 def check_nvrx_straggler_detection(ctx: TrainContext) -> Optional[str]:
@@ -114,13 +124,36 @@ def exit_condition(ctx: TrainContext, straggler_stop: Optional[str] = None) -> O
     train, it = ctx.cfg.train, ctx.state.iteration
     if it >= train.train_iters:
         return ExitCode.FINISHED, f"reached train.train_iters={train.train_iters}"
+    signalled, timed_out = _agreed_stop_flags(ctx)
+    if signalled:
+        return ExitCode.PREEMPTED, f"a rank received {ctx.signals.sig.name} (train.exit_signal)"
     if straggler_stop is not None:
         return ExitCode.STRAGGLER_STOP, straggler_stop
     if train.exit_interval is not None and it % train.exit_interval == 0:
         return ExitCode.EXIT_INTERVAL, f"reached train.exit_interval={train.exit_interval} at iteration {it}"
-    if _duration_exceeded(ctx):
+    if timed_out:
         return ExitCode.DURATION_LIMIT, f"ran train.exit_duration_in_mins={train.exit_duration_in_mins}"
     return None
+
+
+def start_stop_deadline(ctx: TrainContext) -> Optional[StopDeadline]:
+    """On preemption, bound the time left for the save and the exit by ``train.exit_signal_deadline``."""
+    seconds = ctx.cfg.train.exit_signal_deadline
+    logger.warning("Preemption detected, saving checkpoint and exiting")
+    if seconds is None:
+        return None
+    since_signal = time.monotonic() - (ctx.signals.received_at or time.monotonic())
+    last = ctx.checkpoints.last_saved_iteration
+    committed = f"iteration {last}" if last is not None else "the one this run started from, if any"
+
+    def describe() -> str:
+        return (
+            f"the preemption stop did not finish within train.exit_signal_deadline={seconds} s of the signal: "
+            f"exiting now with {int(ExitCode.PREEMPTED)}; the save in progress is abandoned (never loaded), the "
+            f"newest committed checkpoint is {committed}"
+        )
+
+    return StopDeadline(seconds - since_signal, int(ExitCode.PREEMPTED), describe)
 
 
 def _should_save(ctx: TrainContext, stopping: bool) -> bool:
@@ -151,6 +184,8 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
             ctx.metrics.log_step(ctx.state.iteration, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
         straggler_stop = check_nvrx_straggler_detection(ctx)
         stop = exit_condition(ctx, straggler_stop)
+        if stop is not None and stop[0] == ExitCode.PREEMPTED:
+            ctx.deadline = start_stop_deadline(ctx)
         ctx.ft.on_step_end()
         if _should_save(ctx, stopping=stop is not None):
             ctx.ft.on_checkpoint_start()

@@ -22,10 +22,10 @@ A crash between any two steps leaves either the old state or the new one for :fu
 save directory when a run starts (before it loads or saves anything): it deletes ``.tmp_iter_*`` and
 ``.deleting_iter_*``, and restores ``.replaced_iter_N`` when ``iter_N`` is missing.
 
-For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>[:hang]]]`` SIGKILLs the process (or, with
-``hang``, stops it with SIGSTOP) at a named point of the protocol (see :data:`CRASH_POINTS`), on one rank and at one
-iteration's save when given, in the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that
-an in-job restart can recover.
+For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>[:hang|slow]]]`` SIGKILLs the process (or,
+with ``hang``, stops it with SIGSTOP; with ``slow``, blocks the saving thread for an hour) at a named point of the
+protocol (see :data:`CRASH_POINTS`), on one rank and at one iteration's save when given, in the first attempt of a
+job only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that an in-job restart can recover.
 """
 
 import logging
@@ -34,6 +34,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 from typing import Optional
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,13 @@ def crash_point(name: str, rank: int, iteration: int) -> None:
         and (not only_rank or int(only_rank) == rank)
         and (not only_iteration or int(only_iteration) == iteration)
     ):
-        how = "SIGSTOP" if action == "hang" else "SIGKILL"
+        how = {"hang": "SIGSTOP", "slow": "a stalled write"}.get(action, "SIGKILL")
         logger.error("fault injection: %s at checkpoint point %r on rank %d, iteration %d", how, name, rank, iteration)
         for handler in logging.getLogger().handlers:
             handler.flush()
+        if action == "slow":  # storage that stops answering: this thread blocks, the process lives on
+            time.sleep(3600)
+            return
         os.kill(os.getpid(), signal.SIGSTOP if action == "hang" else signal.SIGKILL)
 
 

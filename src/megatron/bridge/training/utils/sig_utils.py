@@ -1,0 +1,99 @@
+"""Preemption signals: one rank receiving ``train.exit_signal`` stops every rank at the same step boundary.
+
+A scheduler about to preempt a job (Slurm's ``--signal``, a time limit, a higher-priority job) or torchrun shutting
+down sends a signal that may reach only some of the ranks. :class:`DistributedSignalHandler` records it in the
+receiving process; at every step boundary the train loop ORs the flag across ranks (one small all-reduce, shared
+with the other stop flags), so all ranks agree on the step after which they save and exit with
+``ExitCode.PREEMPTED``.
+
+:class:`StopDeadline` bounds the time from the signal to the exit: the scheduler's SIGKILL follows its signal after
+a fixed time, and a process still saving by then gets killed anyway. Checkpoint commits are atomic, so a save cut
+short is never loaded; the deadline makes the process leave on its own terms, with the exit code and a log line
+that say what happened, instead of dying to SIGKILL.
+
+Example:
+    >>> with DistributedSignalHandler(signal.SIGTERM) as handler:
+    ...     while training:
+    ...         step()
+    ...         if any_rank(handler.signals_received()):
+    ...             break
+"""
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedSignalHandler:
+    """Records ``sig`` in this process while active; the previous handler is restored on exit.
+
+    Installed only from the main thread (Python delivers signals there); elsewhere it warns and records nothing.
+    """
+
+    def __init__(self, sig: int = signal.SIGTERM) -> None:
+        self.sig = signal.Signals(sig)
+        self.received_at: Optional[float] = None
+        """``time.monotonic()`` of the first receipt, or ``None``."""
+        self._previous: Any = None
+        self._installed = False
+
+    def signals_received(self) -> bool:
+        """Whether this process has received the signal (a local answer; OR it across ranks)."""
+        return self.received_at is not None
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+            logger.warning("Received signal %d, initiating graceful stop", signum)
+
+    def __enter__(self) -> "DistributedSignalHandler":
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not in the main thread: %s is not handled; the process will die on it", self.sig.name)
+            return self
+        self._previous = signal.signal(self.sig, self._handle)
+        self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(self.sig, self._previous)
+            self._installed = False
+
+
+def ignore_in_worker(sig: int, worker_id: int = 0) -> None:
+    """``worker_init_fn`` for data-loader workers: ignore ``sig`` so that they live until the main process saves.
+
+    The main process stops its workers itself when it exits.
+    """
+    signal.signal(sig, signal.SIG_IGN)
+
+
+class StopDeadline:
+    """After ``seconds``, log why and leave the process with ``exit_code`` unless :meth:`cancel` came first."""
+
+    def __init__(
+        self, seconds: float, exit_code: int, describe: Callable[[], str], exit_fn: Callable[[int], Any] = os._exit
+    ) -> None:
+        self._describe = describe
+        self._exit_code = exit_code
+        self._exit_fn = exit_fn
+        self._timer = threading.Timer(max(seconds, 0.0), self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        logger.error("%s", self._describe())
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self._exit_fn(self._exit_code)
+
+    def cancel(self) -> None:
+        """The stop finished in time."""
+        self._timer.cancel()

@@ -1,0 +1,76 @@
+"""Preemption drills: SIGTERM reaches one rank; every rank stops at the same step, saves, exits 18 and resumes.
+
+The signal is real (``MBRIDGE_FAULTS=sigterm@<iteration>:<rank>``: the rank's process receives SIGTERM from the
+kernel while it trains); the resumed run must end bit-identical to one that was never interrupted.
+"""
+
+from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
+
+HANDLER = "train.exit_signal_handler=true"
+
+
+def _stopped_at(run, iteration: int) -> None:
+    for rank in (0, 1):
+        line = f"[rank{rank}] INFO megatron.bridge.training.pretrain: training stopped at iteration {iteration}: "
+        assert line in run.output, tail(run)
+
+
+def _resumes_like_reference(ckpt, reference_tp1, resumed_from: int) -> None:
+    reference, reference_ckpt = reference_tp1
+    resumed = torchrun(ckpt, HANDLER)
+    assert resumed.exit_code == 0, tail(resumed)
+    assert f"at iteration {resumed_from}" in resumed.output
+    ref = reference.losses()
+    assert resumed.losses() == {i: ref[i] for i in range(resumed_from + 1, 13)}
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(reference_tp1, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = torchrun(ckpt, HANDLER, env={"MBRIDGE_FAULTS": "sigterm@5:1"})
+    assert run.exit_code == 18, tail(run)  # ExitCode.PREEMPTED
+    assert "[rank1] WARNING megatron.bridge.training.utils.sig_utils: Received signal 15, initiating graceful stop" in (
+        run.output
+    )
+    assert "[rank0] WARNING megatron.bridge.training.utils.sig_utils: Received signal" not in run.output
+    for rank in (0, 1):
+        assert f"[rank{rank}] WARNING megatron.bridge.training.train: Preemption detected, saving checkpoint" in (
+            run.output
+        )
+    _stopped_at(run, 5)  # the signal arrived at the start of step 5: both finish it, save, exit
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert run.losses() == {i: reference_tp1[0].losses()[i] for i in range(1, 6)}
+    _resumes_like_reference(ckpt, reference_tp1, resumed_from=5)
+
+
+def test_without_the_handler_the_signal_is_not_trapped(tmp_path):
+    run = torchrun(tmp_path / "ckpt", env={"MBRIDGE_FAULTS": "sigterm@5:1"})
+    assert run.exit_code == 128 + 15, tail(run)  # killed by SIGTERM, as without this framework
+    assert "Preemption detected" not in run.output
+
+
+def test_save_past_the_deadline_exits_and_the_previous_checkpoint_stays(reference_tp1, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = {"MBRIDGE_FAULTS": "sigterm@5:1", "MBRIDGE_CKPT_CRASH_AT": "during_write:1:5:slow"}
+    run = torchrun(ckpt, HANDLER, "train.exit_signal_deadline=4", env=env)
+    assert run.exit_code == 18, tail(run)
+    assert "did not finish within train.exit_signal_deadline=4.0 s" in run.output, tail(run)
+    assert "newest committed checkpoint is iteration 3" in run.output
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert not (ckpt / "iter_0000005").exists()
+    _resumes_like_reference(ckpt, reference_tp1, resumed_from=3)
+
+
+def test_signal_to_the_whole_process_tree_still_saves_when_workers_are_protected(tmp_path):
+    workers = ("dataset.num_workers=1", HANDLER)
+    unprotected = torchrun(tmp_path / "a", *workers, env={"MBRIDGE_FAULTS": "sigterm-tree@5:1"})
+    assert unprotected.exit_code == 1, tail(unprotected)  # crashed: its data-loader worker died on the signal
+    assert "torch/utils/data/dataloader.py" in unprotected.output, tail(unprotected)
+    protected = torchrun(
+        tmp_path / "b",
+        *workers,
+        "train.exit_signal_handler_for_dataloader=true",
+        env={"MBRIDGE_FAULTS": "sigterm-tree@5:1"},
+    )
+    assert protected.exit_code == 18, tail(protected)
+    _stopped_at(protected, 5)

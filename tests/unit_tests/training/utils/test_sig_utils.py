@@ -1,0 +1,61 @@
+"""The signal handler records real signals and restores the previous handler; the stop deadline fires or not."""
+
+import os
+import signal
+import threading
+import time
+
+from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, StopDeadline, ignore_in_worker
+
+
+def test_handler_records_a_real_signal_and_restores_the_previous_one():
+    previous = signal.getsignal(signal.SIGUSR1)
+    with DistributedSignalHandler(signal.SIGUSR1) as handler:
+        assert not handler.signals_received()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # delivered between bytecodes
+        assert handler.signals_received()
+        first = handler.received_at
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert handler.received_at == first  # the first receipt counts
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_handler_outside_the_main_thread_installs_nothing():
+    previous = signal.getsignal(signal.SIGUSR2)
+    seen = []
+
+    def enter():
+        with DistributedSignalHandler(signal.SIGUSR2):
+            seen.append(signal.getsignal(signal.SIGUSR2))
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join()
+    assert seen == [previous]
+
+
+def test_ignore_in_worker_ignores_the_signal():
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        ignore_in_worker(signal.SIGUSR1, worker_id=0)
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_deadline_exits_with_its_code_unless_cancelled():
+    exits = []
+    fired = threading.Event()
+
+    def fake_exit(code):
+        exits.append(code)
+        fired.set()
+
+    StopDeadline(0.05, 18, lambda: "too slow", exit_fn=fake_exit)
+    assert fired.wait(5) and exits == [18]
+    cancelled = StopDeadline(0.2, 18, lambda: "too slow", exit_fn=fake_exit)
+    cancelled.cancel()
+    time.sleep(0.4)
+    assert exits == [18]
