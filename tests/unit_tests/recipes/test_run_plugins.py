@@ -7,6 +7,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,8 +221,8 @@ def test_unassigned_slurm_executor_is_rejected_before_anything_changes(tmp_path)
     assert executor == executor_before
 
 
-def _sbatch_script(nemorun_home: Path, plugin: FaultTolerancePlugin, **executor_kwargs) -> tuple[str, "run.Experiment"]:
-    """Materialize the sbatch script nemo_run would submit (a dry run: nothing is submitted)."""
+def _sbatch_script(nemorun_home: Path, plugin: Any, **executor_kwargs) -> tuple[str, "run.Experiment"]:
+    """The sbatch script nemo_run would submit with ``plugin`` (or a list of plugins); a dry run submits nothing."""
     job_root = nemorun_home / "experiments"
     executor = run.SlurmExecutor(
         account="acct",
@@ -234,7 +235,7 @@ def _sbatch_script(nemorun_home: Path, plugin: FaultTolerancePlugin, **executor_
     )
     task = run.Script(path="/abs/examples/pretrain_tiny_gpt.py", entrypoint="python", args=["train.train_iters=100"])
     with run.Experiment("ft_sbatch", executor=executor, log_level="WARN") as exp:
-        exp.add(task, name="train", plugins=[plugin])
+        exp.add(task, name="train", plugins=plugin if isinstance(plugin, list) else [plugin])
         exp.dryrun(log=False, delete_exp_dir=False)
         job_executor = exp.jobs[0].executor
         script_path = Path(job_executor.experiment_dir) / f"{job_executor.job_name}_sbatch.sh"

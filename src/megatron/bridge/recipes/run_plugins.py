@@ -1,5 +1,8 @@
 """NeMo-Run plugins that turn on megatron.bridge resiliency features for a launched task.
 
+:class:`PreemptionPlugin` makes a task save and exit when its job is about to be stopped (time limit, preemption);
+see its docstring.
+
 :class:`FaultTolerancePlugin` launches the task with nvidia-resiliency-ext's ``ft_launcher`` (in-job restarts, rank
 heartbeat and section timeouts), makes the scheduler retry a failed job, and enables fault tolerance in the
 training config through dotted overrides::
@@ -206,6 +209,87 @@ class FaultTolerancePlugin(run.Plugin):
         )
 
 
+_PREEMPTION_OVERRIDE_KEYS = (
+    "train.exit_signal_handler",
+    "train.exit_signal_handler_for_dataloader",
+    "train.exit_signal_deadline",
+)
+
+
+@dataclass(kw_only=True)
+class PreemptionPlugin(run.Plugin):
+    """Save a checkpoint and exit (code 18) when the job's time is about to run out or it is preempted.
+
+    ``setup`` appends to the task's arguments (replacing earlier values of these keys):
+
+    - ``train.exit_signal_handler=<enable_exit_handler>``: every rank watches for SIGTERM; one rank receiving it
+      stops all ranks after the same step;
+    - ``train.exit_signal_handler_for_dataloader=<enable_exit_handler_for_data_loader>``;
+    - ``train.exit_signal_deadline=<0.9 * preempt_time>``: the save and the exit must fit in the warning time.
+
+    With ``run.SlurmExecutor`` it also sets ``executor.signal = "TERM@<preempt_time>"`` (``#SBATCH
+    --signal=TERM@<preempt_time>``). Without ``B:``, Slurm signals the job step's processes: the launcher
+    (torchrun or ft_launcher, which pass it on to the ranks and wait for them) and the training ranks themselves.
+    A job preempted by a higher-priority partition gets SIGTERM from Slurm in the same way. Resuming needs a new
+    start of the job: ``FaultTolerancePlugin`` requeues a job that did not finish, or submit with ``--requeue``
+    where the cluster preempts by requeueing. With ``run.LocalExecutor`` only the training side is enabled: a
+    SIGTERM sent to the ranks, or to ``megatron.bridge.launch`` or ft_launcher (both pass it on), saves and exits.
+
+    Attributes:
+        preempt_time: Seconds before the time limit at which Slurm sends SIGTERM.
+        enable_exit_handler: Value of ``train.exit_signal_handler``.
+        enable_exit_handler_for_data_loader: Value of ``train.exit_signal_handler_for_dataloader``.
+    """
+
+    preempt_time: int = 60
+    enable_exit_handler: bool = True
+    enable_exit_handler_for_data_loader: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.preempt_time, bool) or not isinstance(self.preempt_time, int) or self.preempt_time < 1:
+            raise ValueError(
+                f"PreemptionPlugin.preempt_time must be an integer >= 1 (seconds), got {self.preempt_time!r}"
+            )
+        if self.enable_exit_handler_for_data_loader and not self.enable_exit_handler:
+            raise ValueError(
+                "PreemptionPlugin.enable_exit_handler_for_data_loader needs enable_exit_handler=True "
+                "(the workers only need to survive while the training process saves)"
+            )
+
+    @property
+    def exit_signal_deadline(self) -> float:
+        """Seconds the training gets from the signal to its exit: 90 % of ``preempt_time``."""
+        return round(0.9 * self.preempt_time, 1)
+
+    def setup(self, task: Any, executor: Any) -> None:
+        """Enable the exit handler in ``task``'s arguments and, on Slurm, the early signal.
+
+        Raises:
+            TypeError: If the task or executor type is not supported.
+            ValueError: If the script is inline or not run by Python.
+        """
+        _check_task(task, type(self).__name__)
+        if not isinstance(executor, (run.SlurmExecutor, run.LocalExecutor)):
+            raise TypeError(
+                f"PreemptionPlugin does not support executor type {type(executor).__name__}; "
+                "supported: nemo_run.LocalExecutor and nemo_run.SlurmExecutor"
+            )
+        if isinstance(executor, run.SlurmExecutor) and self.enable_exit_handler:
+            executor.signal = f"TERM@{self.preempt_time}"
+        overrides = [
+            f"train.exit_signal_handler={str(self.enable_exit_handler).lower()}",
+            f"train.exit_signal_handler_for_dataloader={str(self.enable_exit_handler_for_data_loader).lower()}",
+            f"train.exit_signal_deadline={self.exit_signal_deadline}",
+        ]
+        prefixes = tuple(f"{key}=" for key in _PREEMPTION_OVERRIDE_KEYS)
+        task.args = [arg for arg in (task.args or []) if not arg.startswith(prefixes)] + overrides
+        logger.info(
+            "PreemptionPlugin: %s; task args += %s",
+            f"SIGTERM {self.preempt_time} s before the limit" if isinstance(executor, run.SlurmExecutor) else "local",
+            overrides,
+        )
+
+
 def _write_local_cfg(text: str) -> str:
     """Write the ft_launcher YAML under ``$NEMORUN_HOME/fault_tolerance`` (named by its content); return its path."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -240,25 +324,25 @@ def _slurm_cfg_lines(executor: Any, text: str) -> tuple[str, str]:
     return f"/{_nemo_run_config.RUNDIR_NAME}/{SLURM_FT_CFG_NAME}", lines
 
 
-def _check_task(task: Any) -> None:
+def _check_task(task: Any, plugin: str = "FaultTolerancePlugin") -> None:
     """Raise if ``task`` is not a ``run.Script`` that runs a Python file or module."""
     if isinstance(task, run.Partial):
         raise TypeError(
-            f"FaultTolerancePlugin does not support {type(task).__name__} tasks ({task.__fn_or_cls__!r}); "
+            f"{plugin} does not support {type(task).__name__} tasks ({task.__fn_or_cls__!r}); "
             "supported: nemo_run.Script(path=<entry script.py>, entrypoint='python', args=[dotted overrides])"
         )
     if not isinstance(task, run.Script):
         raise TypeError(
-            f"FaultTolerancePlugin does not support task type {type(task).__name__}; "
+            f"{plugin} does not support task type {type(task).__name__}; "
             "supported: nemo_run.Script(path=<entry script.py>, entrypoint='python', args=[dotted overrides])"
         )
     if task.inline:
         raise ValueError(
-            "FaultTolerancePlugin does not support inline scripts (run.Script(inline=...)): ft_launcher must start "
+            f"{plugin} does not support inline scripts (run.Script(inline=...)): the launcher must start "
             "a Python entry script; use run.Script(path=<entry script.py>, entrypoint='python', args=[...])"
         )
     if task.entrypoint != "python":
         raise ValueError(
-            f"FaultTolerancePlugin needs run.Script(..., entrypoint='python'); got entrypoint={task.entrypoint!r} "
+            f"{plugin} needs run.Script(..., entrypoint='python'); got entrypoint={task.entrypoint!r} "
             f"for {task.path!r} (nemo_run's default 'bash' would make ft_launcher exec the file with --no-python)"
         )
