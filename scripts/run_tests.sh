@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+bash scripts/setup_slurm.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
 echo "[tests] ruff"

@@ -22,7 +22,7 @@ import random
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from megatron.bridge.training.config import ConfigContainer
 
@@ -48,6 +48,7 @@ class FaultTolerance:
         self.enabled = cfg.ft.enable_ft_package
         self._client = None
         self._use_sections = False
+        self._monitor_lost = False
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -65,7 +66,7 @@ class FaultTolerance:
         configured = self._client.section_timeouts.section
         self._use_sections = all(name in configured for name in SECTIONS)
         if self._use_sections:
-            self._client.start_section("setup")
+            self._send("start_section", "setup")
         else:
             logger.warning(
                 "[FaultTolerance] ft_launcher has no timeouts for sections %s (got %s); sending heartbeats instead. "
@@ -73,7 +74,7 @@ class FaultTolerance:
                 list(SECTIONS),
                 sorted(configured),
             )
-            self._client.send_heartbeat()
+            self._send("send_heartbeat")
         self._log_timeouts("loaded from " + STATE_FILE if state else "from the launcher")
 
     def on_setup_end(self) -> None:
@@ -81,35 +82,35 @@ class FaultTolerance:
         if not self.enabled:
             return
         if self._use_sections:
-            self._client.end_section("setup")
+            self._send("end_section", "setup")
         if self.cfg.ft.simulate_fault:
             self._arm_simulated_fault()
 
     def on_step_start(self) -> None:
         """Open the ``step`` section."""
         if self.enabled and self._use_sections:
-            self._client.start_section("step")
+            self._send("start_section", "step")
 
     def on_step_end(self) -> None:
         """Close the ``step`` section (or send a heartbeat)."""
         if not self.enabled:
             return
         if self._use_sections:
-            self._client.end_section("step")
+            self._send("end_section", "step")
         else:
-            self._client.send_heartbeat()
+            self._send("send_heartbeat")
 
     def on_checkpoint_start(self) -> None:
         """Open the ``checkpointing`` section."""
         if self.enabled and self._use_sections:
-            self._client.start_section("checkpointing")
+            self._send("start_section", "checkpointing")
 
     def on_checkpoint_end(self) -> None:
         """Close the ``checkpointing`` section; with ``calc_ft_timeouts`` update and persist the timeouts."""
         if not self.enabled:
             return
         if self._use_sections:
-            self._client.end_section("checkpointing")
+            self._send("end_section", "checkpointing")
         if self.cfg.ft.calc_ft_timeouts:
             self._update_timeouts()
 
@@ -129,14 +130,36 @@ class FaultTolerance:
         """Disconnect from the rank monitor (after training ended normally)."""
         if self._client is not None:
             if self._use_sections:
-                self._client.end_all_sections()
-            self._client.shutdown_workload_monitoring()
+                self._send("end_all_sections")
+            self._send("shutdown_workload_monitoring")
             self._client = None
+
+    def _send(self, method: str, *args: Any) -> None:
+        """Call ``method`` of the rank-monitor client; if the monitor is gone, warn once and stop reporting.
+
+        The monitor is a process of the launcher's. When a scheduler signals every process of a job step (Slurm
+        does), the monitor dies while this rank still has a checkpoint to save: failing here would lose it.
+        """
+        if self._client is None or self._monitor_lost:
+            return
+        from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClientError
+
+        try:
+            getattr(self._client, method)(*args)
+        except RankMonitorClientError as err:
+            self._monitor_lost = True
+            logger.warning(
+                "[FaultTolerance] the rank monitor is gone (%s); continuing without hang detection so that this "
+                "rank can finish its work (normal while the job is being stopped)",
+                err,
+            )
 
     # ----------------------------------------------------------------- timeouts
 
     def _update_timeouts(self) -> None:
         """Compute timeouts from observed times (a collective: all ranks call it at the same save)."""
+        if self._monitor_lost:
+            return
         if self._use_sections:
             # Only `step` and `checkpointing` are learned. `setup` varies too much between a first start and a
             # restart that loads a checkpoint, and out-of-section periods are bookkeeping between sections that
