@@ -73,14 +73,16 @@ def _job_logs(tmp_path: Path) -> str:
 
 
 def _wait_for_slurm(env: dict, timeout: float = 600) -> list[str]:
-    """Wait until our job left the queue for good; return its states, one per attempt (sacct, oldest first)."""
+    """Wait until the newest drill job left the queue for good; return its states, one per attempt, oldest first."""
     deadline = time.monotonic() + timeout
     query = ["squeue", "-h", "-n", "root-root.preempt_drill"]
     while subprocess.run(query, env=env, capture_output=True, text=True).stdout.strip():
         assert time.monotonic() < deadline, "the job did not finish"
         time.sleep(2)
-    sacct = ["sacct", "-n", "-X", "-D", "--name=root-root.preempt_drill", "-o", "State"]
-    return subprocess.run(sacct, env=env, capture_output=True, text=True, check=True).stdout.split()
+    sacct = ["sacct", "-n", "-X", "-D", "--name=root-root.preempt_drill", "-o", "JobID,State"]
+    rows = [line.split() for line in subprocess.run(sacct, env=env, capture_output=True, text=True).stdout.splitlines()]
+    newest = max(int(job) for job, _ in rows)  # the cluster is shared by this module's drills
+    return [state for job, state in rows if int(job) == newest]
 
 
 def _assert_preempted_resumed_identical(tmp_path: Path, reference: Path, env: dict) -> None:
