@@ -4,7 +4,22 @@ The signal is real (``MBRIDGE_FAULTS=sigterm@<iteration>:<rank>``: the rank's pr
 kernel while it trains); the resumed run must end bit-identical to one that was never interrupted.
 """
 
-from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from tests.functional_tests.harness import (
+    ENTRY,
+    assert_same_state,
+    checkpoint_state,
+    free_port,
+    kill_processes_with_marker,
+    tail,
+    torchrun,
+)
 
 HANDLER = "train.exit_signal_handler=true"
 
@@ -74,3 +89,31 @@ def test_signal_to_the_whole_process_tree_still_saves_when_workers_are_protected
     )
     assert protected.exit_code == 18, tail(protected)
     _stopped_at(protected, 5)
+
+
+def test_signal_to_the_launcher_reaches_the_ranks_which_save(tmp_path):
+    """A scheduler stopping ``megatron.bridge.launch``: torchrun passes SIGTERM on, the ranks save, it exits 143."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "out.log"
+    marker = os.urandom(8).hex()
+    cmd = [
+        sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2", f"--master-port={free_port()}",
+        str(ENTRY), "train.train_iters=100000", f"checkpoint.save={ckpt}", HANDLER,
+    ]  # fmt: skip
+    env = {**os.environ, "MBRIDGE_TEST_RUN": marker, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 180
+            while "iteration 20/" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)  # to the launcher only
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            kill_processes_with_marker(marker)
+    output = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    stopped = {int(i) for i in re.findall(r"training stopped at iteration (\d+): a rank received SIGTERM", output)}
+    assert len(stopped) == 1, output[-3000:]  # both ranks, same step
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped.pop())
