@@ -1,6 +1,7 @@
 """The documented fault tolerance example runs on CPU and survives its simulated fault."""
 
 import os
+import re
 import subprocess
 
 from tests.functional_tests.harness import REPO, kill_processes_with_marker
@@ -23,7 +24,8 @@ def test_simulated_hang_is_detected_restarted_and_training_completes(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "[FaultTolerance] section timeouts (from the launcher): setup=180.0s, step=10.0s" in log
     assert "simulating rank_hung on rank 1 now" in log
-    assert "Section 'step' has been open" in log
+    # Mostly rank 1 stops inside a step; when the timer strikes during a save, the `checkpointing` section times out.
+    assert re.search(r"Section '(step|checkpointing)' has been open for", log), out[-3000:]
     assert "will restart worker group" in log
     assert "successfully loaded verified checkpoint" in log
     assert "training stopped at iteration 200: reached train.train_iters=200 (exit code 0)" in log

@@ -1,9 +1,10 @@
 """Straggler drills: a real 2-rank run scores its ranks; a rank slowed 2x is flagged, stops the run, and it resumes.
 
 Reports come every ``report_time_interval`` seconds; nvidia-resiliency-ext first spends 16 steps measuring the step
-time to turn that into a number of steps, so runs here are 150 steps long with a report every second (~25 steps).
-Shorter intervals make the scores of a busy 2-core machine noisy: a median over a handful of ~4 ms forward steps
-moves by 30% when the OS schedules something else.
+time to turn that into a number of steps. On CPU the scores come from the wall time of the forward step, so the model
+here is wider and its sequences longer than the tiny recipe's (forward ~20 ms, step ~60 ms, ~8 reports in 150 steps):
+with the recipe's ~4 ms forward step a single OS scheduling hiccup on a busy 2-core machine moves a median by 30%
+and flags a healthy rank.
 """
 
 import re
@@ -17,6 +18,8 @@ STRAGGLER = [
     "checkpoint.save_interval=50",
     "nvrx_straggler.enabled=true",
     "nvrx_straggler.report_time_interval=1.0",
+    "model.hidden_size=128",
+    "model.seq_length=128",
 ]
 _REPORT_RE = re.compile(r"Straggler report at iteration (\d+) \(scores from ([^)]*)\):\n((?:.*\n)*?)Straggler report")
 _SCORE_RE = re.compile(r"Rank=(\d+) Node=\S+ Score=(\S+)")

@@ -3,8 +3,9 @@
 #
 #   run_fault_tolerance.sh                  train to the end; look for the [FaultTolerance] timeout lines
 #   run_fault_tolerance.sh --simulate-fault rank 1 hangs after the first checkpoint; the rank monitor detects the
-#                                           hung `step` section, ft_launcher restarts the workers, training resumes
-#                                           from the newest verified checkpoint and completes
+#                                           hung section (`step`, or `checkpointing` if the hang strikes during a
+#                                           save), ft_launcher restarts the workers, training resumes from the newest
+#                                           verified checkpoint and completes
 #
 # Environment: NPROC (default 2), RUN_DIR (default runs/fault_tolerance), MAX_RESTARTS (default 3),
 # STEP_TIMEOUT (seconds, default 10). On a GPU node the same command uses NCCL.

@@ -28,8 +28,14 @@ from megatron.bridge.training.pretrain import main
 
 
 def straggler_config() -> ConfigContainer:
-    """The tiny GPT recipe with straggler detection reporting every second for 200 steps (~10 s on 2 CPU cores)."""
+    """The tiny GPT recipe with straggler detection reporting every second for 200 steps (~12 s on 2 CPU cores).
+
+    On CPU the scores come from the forward step's wall time, so the model is made wide enough for a ~20 ms forward
+    step: at the recipe's ~4 ms one, a single OS scheduling hiccup moves a rank's median by 30%.
+    """
     cfg = tiny_gpt_config()
+    cfg.model.hidden_size = 128
+    cfg.model.seq_length = 128
     cfg.train.train_iters = 200
     cfg.logger.log_interval = 20
     cfg.nvrx_straggler = NVRxStragglerDetectionConfig(
