@@ -116,6 +116,26 @@ INVALID = [
     ),
     (["inprocess_restart.enabled=true"], 1, "inprocess_restart.enabled"),
     (["rerun_state_machine.rerun_mode=validate_results"], 1, "rerun_state_machine.rerun_mode"),
+    (
+        ["rerun_state_machine.rerun_mode=validate_results", "checkpoint.save=/a", "checkpoint.load=/b"],
+        1,
+        "rerun_state_machine.rerun_mode",
+    ),
+    (["rerun_state_machine.rerun_mode=paranoid"], 1, "rerun_state_machine.rerun_mode"),
+    (["rerun_state_machine.spiky_loss_factor=1.0"], 1, "rerun_state_machine.spiky_loss_factor"),
+    (["rerun_state_machine.max_rerun_restarts=-1"], 1, "rerun_state_machine.max_rerun_restarts"),
+    (
+        ["rerun_state_machine.max_consecutive_nan_skips=3", "rerun_state_machine.check_for_nan_in_loss=false"],
+        1,
+        "rerun_state_machine.max_consecutive_nan_skips",
+    ),
+    (
+        ["rerun_state_machine.max_consecutive_nan_skips=3", "rerun_state_machine.rerun_mode=report_determinism_stats"],
+        1,
+        "rerun_state_machine.max_consecutive_nan_skips",
+    ),
+    (["rerun_state_machine.on_rerun_limit=retry"], 1, "rerun_state_machine.on_rerun_limit"),
+    (["rerun_state_machine.error_injection_type=cosmic_ray"], 1, "rerun_state_machine.error_injection_type"),
     (["train.exit_signal_deadline=0"], 1, "train.exit_signal_deadline"),
     (["checkpoint.non_persistent_ckpt_type=local"], 1, "checkpoint.non_persistent_ckpt_type"),
 ]

@@ -1,8 +1,9 @@
-"""Fault specs parse strictly, and the ``slow`` fault really makes the wrapped step that many times slower."""
+"""Fault specs parse strictly; ``slow`` really stretches the wrapped step, ``nan``/``spike`` corrupt its output."""
 
 import time
 
 import pytest
+import torch
 
 from megatron.bridge.training import fault_injection
 from megatron.bridge.training.fault_injection import Fault, StepFaults, parse
@@ -13,8 +14,13 @@ def test_parse_accepts_every_kind_and_option():
     assert parse("hang@3:1, kill@5:0:always,slow@1:1,slow@2:0:x3.5:always") == [
         Fault("hang", 3, 1),
         Fault("kill", 5, 0, always=True),
-        Fault("slow", 1, 1, factor=2.0),
+        Fault("slow", 1, 1),
         Fault("slow", 2, 0, always=True, factor=3.5),
+    ]
+    assert parse("nan@7:1,nan@8:0:always,spike@9:1:x50") == [
+        Fault("nan", 7, 1),
+        Fault("nan", 8, 0, always=True),
+        Fault("spike", 9, 1, factor=50.0),
     ]
 
 
@@ -30,6 +36,7 @@ def test_parse_accepts_every_kind_and_option():
         "slow@1:0:xnan",
         "slow@1:0:xinf",
         "hang@1:0:sometimes",
+        "nan@1:0:x2",
     ],
 )
 def test_parse_rejects_malformed_items(spec):
@@ -48,13 +55,13 @@ def test_slow_fault_stretches_the_step_from_its_iteration_on(monkeypatch):
         end = time.perf_counter() + 0.01
         while time.perf_counter() < end:
             pass
-        return "out"
+        return "out", None
 
     step = faults.wrap_forward_step(busy_step)
     faults.before_step(1)
-    assert step() == "out" and sleeps == []  # not slowed before iteration 3
+    assert step() == ("out", None) and sleeps == []  # not slowed before iteration 3
     faults.before_step(3)
-    assert step() == "out"
+    assert step() == ("out", None)
     assert len(sleeps) == 1 and sleeps[0] >= 0.02  # 3x: twice the step's own time on top
 
 
@@ -67,3 +74,32 @@ def test_other_ranks_and_restarted_jobs_are_not_slowed(monkeypatch):
     assert StepFaults(rank=0).wrap_forward_step(step) is step
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert StepFaults(rank=1).wrap_forward_step(step) is step
+
+
+def _output_step():
+    return torch.ones(3), "loss_func"
+
+
+def test_transient_nan_corrupts_only_the_first_pass_of_its_iteration(monkeypatch):
+    monkeypatch.setenv(fault_injection.ENV, "nan@2:0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    faults = StepFaults(rank=0)
+    step = faults.wrap_forward_step(_output_step)
+    faults.before_step(1)
+    assert torch.isfinite(step()[0]).all()
+    faults.before_step(2)
+    out, loss_func = step()
+    assert torch.isnan(out).all() and loss_func == "loss_func"
+    assert torch.isfinite(step()[0]).all()  # the re-run of the same iteration computes the true value
+
+
+def test_persistent_spike_corrupts_every_pass_in_every_attempt(monkeypatch):
+    monkeypatch.setenv(fault_injection.ENV, "spike@2:1:x40:always")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    faults = StepFaults(rank=1)
+    step = faults.wrap_forward_step(_output_step)
+    faults.before_step(2)
+    assert step()[0].tolist() == [40.0] * 3
+    assert step()[0].tolist() == [40.0] * 3
+    faults.before_step(3)
+    assert step()[0].tolist() == [1.0] * 3

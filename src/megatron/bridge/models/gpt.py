@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from megatron.bridge.training.config import ModelConfig
+from megatron.bridge.training.rerun import validate_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,6 +58,7 @@ def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> t
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
+    validate_loss(loss)  # NaN/Inf and spiky-loss checks (rerun_state_machine config)
     return loss, {"lm loss": loss.detach().clone()}
 
 

@@ -91,12 +91,18 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _sharded_state_dict(
-    model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState, rng_bytes: Optional[int] = None
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    rng_bytes: Optional[int] = None,
+    rank_extra: Optional[dict] = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds; ``rng_bytes`` is ``None`` when saving and the stored blob length when loading.
 
     RNG states differ per rank, so each rank stores its own as one row of a ``(world, rng_bytes)`` uint8 tensor
-    (a tensor, unlike a pickled object, loads without unpickling arbitrary code).
+    (a tensor, unlike a pickled object, loads without unpickling arbitrary code). ``rank_extra`` (plain values, per
+    rank, e.g. the re-run state machine's state) travels in the same row.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -104,7 +110,7 @@ def _sharded_state_dict(
     if is_loading:
         rng_row = torch.zeros(rng_bytes, dtype=torch.uint8)
     else:
-        payload = serialize_rng_state(get_rng_state())
+        payload = serialize_rng_state({**get_rng_state(), _EXTRA_KEY: rank_extra})
         rng_bytes = max(_all_gather(rng_blob_length(payload)))
         rng_row = rng_blob_to_tensor(payload, rng_bytes)
     model_sd = _unwrap(model).sharded_state_dict()
@@ -120,6 +126,10 @@ def _sharded_state_dict(
             "rng_state", rng_row.unsqueeze(0), (0, _rank(), _world()), replica_id=0
         ),
     }
+
+
+_EXTRA_KEY = "rank_extra"
+"""Key of the per-rank extra state inside the per-rank RNG blob."""
 
 
 def _results_queue_manager_dies_with_parent(parent_pid: int) -> None:
@@ -209,6 +219,8 @@ class CheckpointManager:
         self.last_blocking_seconds: float = 0.0
         self.last_finalize_seconds: float = 0.0
         self.last_saved_iteration: Optional[int] = None
+        self.loaded_rank_extra: Optional[dict] = None
+        """This rank's ``rank_extra`` from the checkpoint :meth:`load` loaded (None if it had none)."""
         self._strategy: Any = None
         # Temporary directory names: a run id agreed once plus a counter, so no save needs a collective for it.
         self._run_id = _broadcast_from_rank0(uuid.uuid4().hex[:8] if _rank() == 0 else None)
@@ -240,8 +252,19 @@ class CheckpointManager:
         self._strategy = strategy
         return strategy
 
-    def save(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
-        """Save a checkpoint of the current state into ``cfg.save`` (asynchronously with ``async_save``)."""
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        state: TrainState,
+        rank_extra: Optional[dict] = None,
+    ) -> None:
+        """Save a checkpoint of the current state into ``cfg.save`` (asynchronously with ``async_save``).
+
+        ``rank_extra``: this rank's plain-valued extra state; :attr:`loaded_rank_extra` returns it after a load.
+        A checkpoint of the same iteration is replaced atomically.
+        """
         from megatron.core import dist_checkpointing
 
         root = self.cfg.save
@@ -254,7 +277,7 @@ class CheckpointManager:
         attempt = f"{self._run_id}-{self._saves}"
         tmp = layout.tmp_dir(root, iteration, attempt)
         os.makedirs(tmp, exist_ok=True)  # every rank, before it writes: no barrier needed
-        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
+        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rank_extra=rank_extra)
         request = dist_checkpointing.save(
             sharded_sd,
             tmp,
@@ -390,8 +413,9 @@ class CheckpointManager:
             )
         return [it for it in committed if it <= tracked]
 
-    @staticmethod
-    def _load_dir(ckpt_dir: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
+    def _load_dir(
+        self, ckpt_dir: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+    ) -> None:
         from megatron.core import dist_checkpointing
 
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)
@@ -412,4 +436,6 @@ class CheckpointManager:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
         state.load_state_dict(loaded["train_state"])
         if same_world:
-            set_rng_state(rng_state_from_tensor(loaded["rng_state"][0]))
+            blob = rng_state_from_tensor(loaded["rng_state"][0])
+            self.loaded_rank_extra = blob.pop(_EXTRA_KEY, None)
+            set_rng_state(blob)

@@ -268,16 +268,37 @@ class InProcessRestartConfig:
 
 @dataclass
 class RerunStateMachineConfig:
-    """megatron-core's re-run state machine (experimental upstream)."""
+    """megatron-core's re-run state machine (experimental upstream) and the loss checks around it."""
 
     rerun_mode: str = "disabled"
-    """``"disabled"``, ``"validate_results"`` or ``"report_determinism_stats"``."""
+    """``"disabled"`` (check the loss, never re-run), ``"validate_results"`` (re-run a step whose loss failed a
+    check to tell a transient fault from a reproducible one) or ``"report_determinism_stats"`` (re-run every step
+    once and report how much results differ)."""
     check_for_nan_in_loss: bool = True
-    """Check the loss for NaN/Inf."""
+    """Check every micro-batch loss for NaN/Inf. The decision is reduced across all ranks: every rank stops (or
+    skips the step) together."""
     check_for_spiky_loss: bool = False
-    """Check for a loss far above the largest seen."""
+    """Check for a loss far above the largest of the first 100 micro-batch losses (a warning; re-run when
+    ``validate_results``)."""
     spiky_loss_factor: float = 10.0
     """A loss above factor * max observed loss is flagged."""
+    max_consecutive_nan_skips: int = 0
+    """With ``rerun_mode="disabled"``: skip the optimizer step of a step whose loss is NaN/Inf (gradients dropped,
+    data consumed) up to this many steps in a row, then stop with exit 17. 0 stops at the first one."""
+    max_rerun_restarts: int = 3
+    """How many times a job may exit with 16 to re-run the same suspicious step from its checkpoint (each restart
+    that lands on the same device is one more). Past it, ``on_rerun_limit`` applies: never an endless loop."""
+    on_rerun_limit: str = "stop"
+    """``"stop"``: exit 17 and ask ft_launcher not to restart. ``"fallback"``: set the failing checkpoint aside
+    (renamed, never deleted), resume from the newest verified older one, once per failing step; then stop."""
+    error_injection_rate: int = 0
+    """Tests and drills: make megatron-core's error injector fail about one validated result in this many (0 =
+    off). Affects the python random stream, so runs with it are not bit-comparable to runs without."""
+    error_injection_type: str = "transient_error"
+    """What the injected failure turns out to be: ``"transient_error"``, ``"persistent_error"`` or
+    ``"correct_result"``."""
+    result_rejected_tracker_filename: Optional[str] = None
+    """File that megatron-core appends one line to for every rejected result (None = no file)."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     _validate_runtime(cfg)
     _validate_fault_tolerance(cfg.ft, world_size)
     _validate_straggler(cfg)
+    _validate_rerun(cfg)
     _validate_not_yet_supported(cfg)
 
 
@@ -326,11 +327,65 @@ def _validate_straggler(cfg: ConfigContainer) -> None:
         )
 
 
+_RERUN_MODES = ("disabled", "validate_results", "report_determinism_stats")
+_INJECTION_TYPES = ("transient_error", "persistent_error", "correct_result")
+
+
+def _validate_rerun(cfg: ConfigContainer) -> None:
+    r = cfg.rerun_state_machine
+    if r.rerun_mode not in _RERUN_MODES:
+        _fail("rerun_state_machine.rerun_mode", f"unknown mode {r.rerun_mode!r}", f"use one of {_RERUN_MODES}")
+    if r.spiky_loss_factor <= 1.0:
+        _fail(
+            "rerun_state_machine.spiky_loss_factor",
+            f"{r.spiky_loss_factor} would flag ordinary losses (a loss is spiky above factor x the largest seen)",
+            "use a factor above 1, e.g. 10 (larger for large models)",
+        )
+    for name in ("max_consecutive_nan_skips", "max_rerun_restarts", "error_injection_rate"):
+        if getattr(r, name) < 0:
+            _fail(f"rerun_state_machine.{name}", f"{getattr(r, name)} is negative", "use 0 or more")
+    if r.max_consecutive_nan_skips > 0 and (r.rerun_mode != "disabled" or not r.check_for_nan_in_loss):
+        _fail(
+            "rerun_state_machine.max_consecutive_nan_skips",
+            "skipping NaN steps needs rerun_mode=disabled and check_for_nan_in_loss=true (with the re-run state "
+            "machine on, it decides what a NaN means)",
+            "set rerun_state_machine.max_consecutive_nan_skips=0, or rerun_mode=disabled",
+        )
+    if r.on_rerun_limit not in ("stop", "fallback"):
+        _fail("rerun_state_machine.on_rerun_limit", f"unknown action {r.on_rerun_limit!r}", "use stop or fallback")
+    if r.error_injection_type not in _INJECTION_TYPES:
+        _fail(
+            "rerun_state_machine.error_injection_type",
+            f"unknown type {r.error_injection_type!r}",
+            f"use one of {_INJECTION_TYPES}",
+        )
+    if r.rerun_mode == "validate_results":
+        c = cfg.checkpoint
+        if c.save is None or c.load is None or os.path.abspath(c.save) != os.path.abspath(c.load):
+            _fail(
+                "rerun_state_machine.rerun_mode",
+                "validate_results saves a checkpoint at a step whose result reproducibly failed a check and re-runs "
+                "that step from it after a restart, so checkpoint.save and checkpoint.load must name one directory "
+                f"(save={c.save}, load={c.load})",
+                "set checkpoint.save and checkpoint.load to the same directory, or use rerun_mode=disabled",
+            )
+        if not (r.check_for_nan_in_loss or r.check_for_spiky_loss):
+            logger.warning(
+                "rerun_state_machine.rerun_mode=validate_results with both loss checks off: nothing is validated; "
+                "set check_for_nan_in_loss=true or check_for_spiky_loss=true"
+            )
+    if r.rerun_mode != "disabled":
+        logger.warning(
+            "rerun_state_machine.rerun_mode=%s: megatron-core's re-run state machine is experimental upstream%s",
+            r.rerun_mode,
+            "; every step runs twice" if r.rerun_mode == "report_determinism_stats" else "",
+        )
+
+
 def _validate_not_yet_supported(cfg: ConfigContainer) -> None:
     """Reject features whose configuration exists but whose runtime this version does not have."""
     enabled = {
         "inprocess_restart.enabled": cfg.inprocess_restart.enabled,
-        "rerun_state_machine.rerun_mode": cfg.rerun_state_machine.rerun_mode != "disabled",
         "checkpoint.non_persistent_ckpt_type": cfg.checkpoint.non_persistent_ckpt_type is not None,
     }
     for name, on in enabled.items():

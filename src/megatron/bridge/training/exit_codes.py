@@ -26,10 +26,12 @@ class ExitCode(enum.IntEnum):
     """``checkpoint.load`` holds checkpoints but none passes verification. Action: stop; a human must look."""
 
     RERUN_RESUME = 16
-    """Re-run state machine: resume (on other hardware) to disambiguate a result. Action: requeue."""
+    """Re-run state machine: a checkpoint was saved to re-run a step on other hardware (or a fallback to an older
+    checkpoint was set up). Action: requeue, on other nodes if possible."""
 
     RERUN_FAILED_VALIDATION = 17
-    """Re-run state machine: a result failed validation reproducibly. Action: stop."""
+    """A NaN/Inf loss (all ranks agree), a result that failed validation reproducibly, or the re-run restart limit
+    was reached. Action: stop; a human must look (ft_launcher is asked not to restart)."""
 
     PREEMPTED = 18
     """``train.exit_signal`` received; a checkpoint was saved. Action: requeue and resume."""

@@ -1,14 +1,19 @@
-"""Real faults on demand, for drills and tests: a rank hangs, dies, raises or slows down at a chosen training step.
+"""Real faults on demand, for drills and tests: a rank hangs, dies, raises, slows down or computes a bad loss.
 
 ``MBRIDGE_FAULTS="<kind>@<iteration>:<rank>[:x<factor>][:always],..."`` with kind ``hang`` (the process stops itself
 with SIGSTOP, as a hung GPU or a deadlock would look from outside), ``kill`` (SIGKILL), ``exception`` (an uncaught
 ``RuntimeError``), ``sigterm`` (the rank receives SIGTERM, as from a scheduler that preempts the job),
-``sigterm-tree`` (the rank and every process it started receive SIGTERM, as Slurm signals a job step) or ``slow``
-(from that iteration on, every forward step of the rank takes ``factor`` times as
-long, default 2: the rank sleeps for the extra time inside the step; CPU-side timing sees it, CUDA kernel timing
-does not). A fault
-strikes when the given rank *starts* that iteration, in the first attempt of a job only
+``sigterm-tree`` (the rank and every process it started receive SIGTERM, as Slurm signals a job step), ``slow``
+(from that iteration on, every forward step of the rank takes ``factor`` times as long, default 2: the rank sleeps
+for the extra time inside the step; CPU-side timing sees it, CUDA kernel timing does not), ``nan`` (the rank's
+forward output, hence its loss and gradients, becomes NaN) or ``spike`` (its forward output is multiplied by
+``factor``, default 100).
+
+A fault strikes when the given rank *starts* that iteration, in the first attempt of a job only
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0) unless ``always`` is given, so that a restarted job can recover.
+``nan`` and ``spike`` corrupt only the first forward pass of the iteration (a re-run of the step computes the true
+value: a transient fault); with ``always`` every pass of that iteration in every attempt is corrupted (a
+reproducible fault).
 """
 
 import functools
@@ -23,7 +28,11 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 ENV = "MBRIDGE_FAULTS"
-KINDS = ("hang", "kill", "exception", "sigterm", "sigterm-tree", "slow")
+KINDS = ("hang", "kill", "exception", "sigterm", "sigterm-tree", "slow", "nan", "spike")
+_SCALED = ("slow", "spike")
+"""Kinds that take ``x<factor>``."""
+_VALUE_KINDS = ("nan", "spike")
+"""Kinds that corrupt the forward output instead of acting on the process."""
 
 
 @dataclass(frozen=True)
@@ -34,8 +43,9 @@ class Fault:
     iteration: int
     rank: int
     always: bool = False
-    factor: float = 2.0
-    """How many times longer a ``slow`` rank's forward steps take."""
+    factor: Optional[float] = None
+    """``slow``: how many times longer the forward steps take (default 2); ``spike``: the output multiplier
+    (default 100)."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -52,7 +62,7 @@ def parse(spec: str) -> list[Fault]:
             iteration, rank = int(parts[0]), int(parts[1])
             options = parts[2:]
             always = "always" in options
-            factors = [float(o[1:]) for o in options if o.startswith("x") and kind == "slow"]
+            factors = [float(o[1:]) for o in options if o.startswith("x") and kind in _SCALED]
             if (
                 kind not in KINDS
                 or len(options) != always + len(factors)
@@ -63,9 +73,9 @@ def parse(spec: str) -> list[Fault]:
         except (ValueError, IndexError):
             raise ValueError(
                 f"{ENV}: bad item {item!r}; expected <kind>@<iteration>:<rank>[:x<factor>][:always] with kind in "
-                f"{KINDS} (x<factor> in (1, 1000) only for slow)"
+                f"{KINDS} (x<factor> in (1, 1000) only for {_SCALED})"
             ) from None
-        faults.append(Fault(kind, iteration, rank, always, factors[0] if factors else 2.0))
+        faults.append(Fault(kind, iteration, rank, always, factors[0] if factors else None))
     return faults
 
 
@@ -113,31 +123,52 @@ class StepFaults:
     def __init__(self, rank: int) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         mine = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and (f.always or first_attempt)]
-        self._at = {f.iteration: f.kind for f in mine if f.kind != "slow"}
+        self._at = {f.iteration: f.kind for f in mine if f.kind not in ("slow", *_VALUE_KINDS)}
+        self._values = {f.iteration: f for f in mine if f.kind in _VALUE_KINDS}
         self._slow: Optional[Fault] = next((f for f in mine if f.kind == "slow"), None)
         self._slow_now = False
+        self._iteration = 0
+        self._value_struck: set[int] = set()
 
     def before_step(self, iteration: int) -> None:
         """Strike if a fault is scheduled for ``iteration`` (the iteration about to run, 1-based)."""
+        self._iteration = iteration
         if self._slow is not None and iteration >= self._slow.iteration and not self._slow_now:
-            logger.error("fault injection: forward steps %.1fx slower from iteration %d", self._slow.factor, iteration)
+            factor = self._slow.factor or 2.0
+            logger.error("fault injection: forward steps %.1fx slower from iteration %d", factor, iteration)
             self._slow_now = True
         kind = self._at.get(iteration)
         if kind is not None:
             strike(kind, f"iteration {iteration}")
 
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
-        """``forward_step``, made ``factor`` times slower once a ``slow`` fault has struck (unchanged without one)."""
-        if self._slow is None:
+        """``forward_step`` with the scheduled ``slow``, ``nan`` and ``spike`` faults (unchanged without any)."""
+        if self._slow is None and not self._values:
             return forward_step
-        extra = self._slow.factor - 1.0
+        extra = (self._slow.factor or 2.0) - 1.0 if self._slow is not None else 0.0
 
         @functools.wraps(forward_step)
-        def slowed_forward_step(*args: Any, **kwargs: Any) -> Any:
+        def faulty_forward_step(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            out = forward_step(*args, **kwargs)
+            output, loss_func = forward_step(*args, **kwargs)
             if self._slow_now:
                 time.sleep(extra * (time.perf_counter() - start))
-            return out
+            return self._corrupt(output), loss_func
 
-        return slowed_forward_step
+        return faulty_forward_step
+
+    def _corrupt(self, output: Any) -> Any:
+        """The forward output, made NaN or scaled when a value fault is due in this iteration."""
+        fault = self._values.get(self._iteration)
+        if fault is None or (not fault.always and self._iteration in self._value_struck):
+            return output
+        self._value_struck.add(self._iteration)
+        value = float("nan") if fault.kind == "nan" else (fault.factor or 100.0)
+        logger.error(
+            "fault injection: %s forward output (x%s) at iteration %d%s",
+            fault.kind,
+            value,
+            self._iteration,
+            " (every pass)" if fault.always else " (first pass only)",
+        )
+        return output * value

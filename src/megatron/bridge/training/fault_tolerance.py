@@ -10,6 +10,10 @@ from the newest verified checkpoint. Launch with matching section names::
 
 If the launcher was given no timeouts for these sections, heartbeats (one per step) are sent instead.
 
+When training ends with a code whose action is *stop* although the job did not finish (17: a result failed
+validation and re-running cannot help), every rank asks ft_launcher to shut the workload down instead of restarting
+it, and the finished flag keeps a requeueing job script from starting it again.
+
 With ``ft.calc_ft_timeouts``, the ``step`` and ``checkpointing`` timeouts are computed from what this run observed
 (the launcher's safety factor times the longest time seen) after every checkpoint save, written atomically to
 ``ft_state.json`` in the save directory, and loaded from the load directory by the next run.
@@ -25,6 +29,7 @@ import time
 from typing import Any, Optional
 
 from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.exit_codes import ExitCode
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +119,28 @@ class FaultTolerance:
         if self.cfg.ft.calc_ft_timeouts:
             self._update_timeouts()
 
-    def on_train_end(self, finished: bool) -> None:
-        """Record that training completed, so a Slurm job wrapper stops requeueing it.
+    def on_train_end(self, code: ExitCode) -> None:
+        """Tell the launcher and the job script whether to start the workload again.
 
         nemo_run's fault-tolerant Slurm script requeues the job after every run unless the file named by
-        ``$FAULT_TOL_FINISHED_FLAG_FILE`` exists.
+        ``$FAULT_TOL_FINISHED_FLAG_FILE`` exists; ft_launcher restarts failed workers unless a rank asked it to
+        shut the workload down.
         """
+        terminal = code in (ExitCode.FINISHED, ExitCode.RERUN_FAILED_VALIDATION)
         flag = os.environ.get("FAULT_TOL_FINISHED_FLAG_FILE")
-        if finished and flag and self.rank == 0:
+        if terminal and flag and self.rank == 0:
             with open(flag, "w") as f:
-                f.write("training finished\n")
+                f.write(f"training ended with exit code {int(code)} ({code.name})\n")
             logger.info("[FaultTolerance] wrote %s: the job will not be requeued", flag)
+        if code == ExitCode.RERUN_FAILED_VALIDATION and self._client is not None and not self._monitor_lost:
+            from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction, WorkloadControlRequest
+
+            request = WorkloadControlRequest(WorkloadAction.ShutdownWorkload, f"exit code {int(code)} ({code.name})")
+            try:
+                self._client.send_workload_control_request(request)
+                logger.warning("[FaultTolerance] asked ft_launcher not to restart the workers: %s", request.description)
+            except RuntimeError as err:  # started without ft_launcher's IPC (nothing would restart it anyway)
+                logger.warning("[FaultTolerance] could not ask the launcher to stop: %s", err)
 
     def shutdown(self) -> None:
         """Disconnect from the rank monitor (after training ended normally)."""

@@ -100,6 +100,21 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def init_rerun_state(cfg: ConfigContainer) -> None:
+    """Install megatron-core's re-run state machine for this run, replacing one a previous run left in the process.
+
+    Call after :func:`initialize_distributed` (the machine all-reduces its decisions) and before the checkpoint
+    load (a checkpoint saved to re-run a step carries the machine's state).
+    """
+    from megatron.core import rerun_state_machine
+
+    from megatron.bridge.training.rerun import build_rerun_state_machine
+
+    rerun_state_machine.destroy_rerun_state_machine()
+    # The public initializer builds the plain upstream class; ours fixes its determinism-stats report.
+    rerun_state_machine._set_rerun_state_machine(build_rerun_state_machine(cfg.rerun_state_machine))
+
+
 def destroy_distributed() -> None:
     """Tear down megatron-core's groups and the default process group (idempotent)."""
     from megatron.core import parallel_state

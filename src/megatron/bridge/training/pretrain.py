@@ -18,6 +18,7 @@ from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.initialize import (
     destroy_distributed,
+    init_rerun_state,
     initialize_distributed,
     set_seeds,
     setup_logging,
@@ -25,6 +26,7 @@ from megatron.bridge.training.initialize import (
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
+from megatron.bridge.training.rerun import RerunController
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
@@ -67,11 +69,14 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
         checkpoints = CheckpointManager(cfg.checkpoint)
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
         set_seeds(cfg.rng.seed)
+        init_rerun_state(cfg)
+        rerun = RerunController(cfg.rerun_state_machine, cfg.checkpoint.save)
         model = wrap_data_parallel(build_gpt_model(cfg.model, device))
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
         state = TrainState()
         checkpoints.load(model, optimizer, scheduler, state)
+        rerun.import_state(checkpoints.loaded_rank_extra)
 
         from megatron.core import parallel_state
 
@@ -97,7 +102,7 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             optimizer=optimizer,
             scheduler=scheduler,
             state=state,
-            data_iterator=data_iterator,
+            data_iterator=rerun.wrap_data_iterator(data_iterator),
             forward_step_func=straggler.wrap_forward_step(faults.wrap_forward_step(forward_step_func)),
             checkpoints=checkpoints,
             metrics=metrics,
@@ -105,6 +110,7 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             faults=faults,
             straggler=straggler,
             signals=signals,
+            rerun=rerun,
             start_time=start_time,
         )
         ft.on_setup_end()
@@ -112,7 +118,12 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
         ft.on_checkpoint_start()  # waiting for the last async save is checkpointing time, not a hang
         checkpoints.close()
         ft.on_checkpoint_end()
-        ft.on_train_end(finished=code == ExitCode.FINISHED)
+        ft.on_train_end(code)
+        if rerun.transient_errors:
+            logger.warning(
+                "re-run state machine: %d transient fault(s) detected; each step was re-run and training went on",
+                rerun.transient_errors,
+            )
         logger.info("training stopped at iteration %d: %s (exit code %d)", state.iteration, reason, int(code))
         return code
     except BaseException:

@@ -4,7 +4,9 @@ Order of events in one iteration (features hook in at these moments, with their 
 
 1. fault tolerance: open the ``step`` section (everything up to 6 is inside it); fault drills strike here;
 2. commit async checkpoint saves that finished on every rank;
-3. forward and backward over the micro-batches, optimizer and scheduler step (timed by straggler detection);
+3. forward and backward over the micro-batches (timed by straggler detection), once or, when the re-run state
+   machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
+   checkpoint); optimizer and scheduler step;
 4. log metrics;
 5. straggler detection: count the step; when a report is due, all ranks score each other (may ask to stop);
 6. decide whether to stop (end of training, exit signal on any rank, straggler, ``exit_interval``,
@@ -29,6 +31,7 @@ from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
+from megatron.bridge.training.rerun import RerunController, StepVerdict
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, StopDeadline
 
@@ -52,13 +55,17 @@ class TrainContext:
     faults: StepFaults
     straggler: NVRxStragglerDetectionManager
     signals: DistributedSignalHandler
+    rerun: RerunController
     start_time: float
     deadline: Optional[StopDeadline] = None
     """Running while a preempted run saves and exits."""
 
 
-def train_step(ctx: TrainContext, log_this_step: bool) -> dict[str, float]:
-    """Run one optimizer step over a global batch; return metrics (the loss only when ``log_this_step``)."""
+def train_step(ctx: TrainContext, log_this_step: bool) -> tuple[dict[str, float], StepVerdict]:
+    """Run one step over a global batch; return metrics (the loss only when ``log_this_step``) and the verdict.
+
+    The optimizer steps only when the verdict says so (not for a skipped NaN step or a re-run stop).
+    """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -66,30 +73,33 @@ def train_step(ctx: TrainContext, log_this_step: bool) -> dict[str, float]:
     dp_size = parallel_state.get_data_parallel_world_size()
     num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
     start = time.perf_counter()
-    ctx.model.zero_grad_buffer()
-    ctx.optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=ctx.forward_step_func,
-        data_iterator=ctx.data_iterator,
-        model=[ctx.model],
-        num_microbatches=num_microbatches,
-        seq_length=cfg.model.seq_length,
-        micro_batch_size=cfg.train.micro_batch_size,
-        forward_only=False,
-    )
-    update_ok, grad_norm, _ = ctx.optimizer.step()
-    if update_ok:
-        ctx.scheduler.step(increment=cfg.train.global_batch_size)
-    metrics = {
-        "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "lr": ctx.scheduler.get_lr(ctx.optimizer.param_groups[0]),
-        "step time": time.perf_counter() - start,
-    }
-    if log_this_step:
+    losses: list[dict] = []
+    for _ in ctx.rerun.passes(ctx.data_iterator, ctx.state.iteration):
+        ctx.model.zero_grad_buffer()
+        ctx.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=ctx.forward_step_func,
+            data_iterator=ctx.data_iterator,
+            model=[ctx.model],
+            num_microbatches=num_microbatches,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.train.micro_batch_size,
+            forward_only=False,
+        )
+    verdict = ctx.rerun.end_step(ctx.state.iteration, losses)
+    metrics: dict[str, float] = {"grad norm": float("nan"), "lr": ctx.scheduler.get_lr(ctx.optimizer.param_groups[0])}
+    if verdict.apply:
+        update_ok, grad_norm, _ = ctx.optimizer.step()
+        if update_ok:
+            ctx.scheduler.step(increment=cfg.train.global_batch_size)
+        metrics["grad norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = ctx.scheduler.get_lr(ctx.optimizer.param_groups[0])
+    metrics["step time"] = time.perf_counter() - start
+    if log_this_step and verdict.stop is None:
         loss = torch.stack([x["lm loss"] for x in losses]).mean()
         dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         metrics["lm loss"] = (loss / dp_size).item()
-    return metrics
+    return metrics, verdict
 
 
 def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
@@ -156,6 +166,16 @@ def start_stop_deadline(ctx: TrainContext) -> Optional[StopDeadline]:
     return StopDeadline(seconds - since_signal, int(ExitCode.PREEMPTED), describe)
 
 
+def stop_before_step(ctx: TrainContext, verdict: StepVerdict) -> tuple[ExitCode, str]:
+    """End the run on a re-run verdict, saving the pre-step state as the verdict asks."""
+    ctx.ft.on_step_end()
+    if verdict.checkpoint == "force" or (verdict.checkpoint == "if_due" and _should_save(ctx, stopping=True)):
+        ctx.ft.on_checkpoint_start()
+        ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, rank_extra=ctx.rerun.export_state())
+        ctx.ft.on_checkpoint_end()
+    return verdict.stop
+
+
 def _should_save(ctx: TrainContext, stopping: bool) -> bool:
     ckpt = ctx.cfg.checkpoint
     if ckpt.save is None:
@@ -177,7 +197,9 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         ctx.checkpoints.finalize(blocking=False)
         log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
         with ctx.straggler.step_section():
-            metrics = train_step(ctx, log_this_step)
+            metrics, verdict = train_step(ctx, log_this_step)
+        if verdict.stop is not None:  # the step was not applied: the iteration stays where it was
+            return stop_before_step(ctx, verdict)
         ctx.state.iteration += 1
         ctx.state.consumed_train_samples += cfg.train.global_batch_size
         if log_this_step:

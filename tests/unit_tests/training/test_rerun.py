@@ -1,0 +1,88 @@
+"""Our logic around megatron-core's re-run state machine: checkpointed state, the restart record, the fallback."""
+
+import json
+import math
+
+import pytest
+import torch
+from megatron.core import rerun_state_machine as upstream
+
+from megatron.bridge.training.checkpoint import layout
+from megatron.bridge.training.config import RerunStateMachineConfig
+from megatron.bridge.training.rerun import ATTEMPTS_FILE, RerunController, build_rerun_state_machine
+
+
+@pytest.fixture
+def machine():
+    """A validate_results machine installed as the process's singleton (removed afterwards)."""
+    upstream.destroy_rerun_state_machine()
+    m = build_rerun_state_machine(RerunStateMachineConfig(rerun_mode="validate_results", error_injection_rate=7))
+    upstream._set_rerun_state_machine(m)
+    yield m
+    upstream.destroy_rerun_state_machine()
+
+
+def test_exported_state_is_plain_and_restores_what_the_rerun_needs(machine, tmp_path):
+    machine.state = upstream.RerunState.WILL_RERUN_FROM_CHECKPOINT
+    machine.current_iteration = 5
+    machine.checkpoint_requested = True
+    machine.failed_validation_call = upstream.Call(upstream.Caller("found NaN in local forward loss calculation", 1), 1)
+    machine.initial_result = torch.tensor(float("nan"))
+    machine.suspicious_node, machine.suspicious_device = "node-a", torch.device("cpu")
+    machine.max_values, machine.large_value_counts = {"loss": 4.8}, {"loss": 100}
+    controller = RerunController(RerunStateMachineConfig(rerun_mode="validate_results"), str(tmp_path))
+    saved = controller.export_state()
+    json.dumps(saved)  # plain values only: loads with weights_only=True
+
+    upstream.destroy_rerun_state_machine()
+    fresh = build_rerun_state_machine(RerunStateMachineConfig(rerun_mode="validate_results"))
+    upstream._set_rerun_state_machine(fresh)
+    controller.import_state(saved)
+    assert fresh.state == upstream.RerunState.WILL_RERUN_FROM_CHECKPOINT
+    assert fresh.current_iteration == 5 and fresh.checkpoint_requested and not fresh.rerun_requested
+    assert fresh.failed_validation_call == machine.failed_validation_call
+    assert math.isnan(fresh.initial_result.item())
+    assert (fresh.suspicious_node, fresh.suspicious_device) == ("node-a", torch.device("cpu"))
+    assert fresh.max_values == {"loss": 4.8} and fresh.large_value_counts == {"loss": 100}
+    assert fresh.error_injector.error_injection_rate == 7
+
+
+def test_nothing_is_exported_between_reruns(machine, tmp_path):
+    controller = RerunController(RerunStateMachineConfig(rerun_mode="validate_results"), str(tmp_path))
+    assert controller.export_state() is None
+    controller.import_state(None)
+    assert machine.state == upstream.RerunState.NOT_RUNNING_YET
+
+
+def test_restarts_are_counted_per_step_and_survive_a_new_process(tmp_path):
+    controller = RerunController(RerunStateMachineConfig(), str(tmp_path))
+    assert controller._count_restart(5) == {"step": 5, "restarts": 1, "fallbacks": 0}
+    again = RerunController(RerunStateMachineConfig(), str(tmp_path))  # the restarted job
+    assert again._count_restart(5)["restarts"] == 2
+    assert again._count_restart(9) == {"step": 9, "restarts": 1, "fallbacks": 0}  # another step starts over
+    (tmp_path / ATTEMPTS_FILE).write_text("{torn")
+    assert again._count_restart(9)["restarts"] == 1  # an unreadable record never blocks training
+
+
+def _commit(root, iteration):
+    tmp = layout.tmp_dir(str(root), iteration, "a")
+    (root / tmp).mkdir(parents=True)
+    layout.commit(str(root), iteration, "a")
+
+
+def test_fallback_sets_the_failing_checkpoint_aside_and_tracks_the_older_one(tmp_path):
+    for it in (3, 6, 8):
+        _commit(tmp_path, it)
+    controller = RerunController(RerunStateMachineConfig(on_rerun_limit="fallback"), str(tmp_path))
+    assert controller._fall_back(step=9, failing=8) == 6
+    assert layout.read_tracker(str(tmp_path)) == 6
+    assert (tmp_path / "iter_0000008.rerun_failed").is_dir() and not (tmp_path / "iter_0000008").exists()
+    assert json.loads((tmp_path / ATTEMPTS_FILE).read_text()) == {"step": 9, "restarts": 0, "fallbacks": 1}
+    assert layout.committed_iterations(str(tmp_path)) == [6, 3]
+
+
+def test_no_fallback_without_an_older_checkpoint(tmp_path):
+    _commit(tmp_path, 4)
+    controller = RerunController(RerunStateMachineConfig(on_rerun_limit="fallback"), str(tmp_path))
+    assert controller._fall_back(step=5, failing=4) is None
+    assert (tmp_path / "iter_0000004").is_dir() and layout.read_tracker(str(tmp_path)) == 4
