@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron.bridge.training.checkpoint import layout
 from megatron.bridge.training.config import RerunStateMachineConfig
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.rng import get_rng_state, set_rng_state
+from megatron.bridge.training.rng import restore_rng_state, snapshot_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,9 @@ class RerunController:
         self.save_dir = save_dir
         self.mode = RerunMode(cfg.rerun_mode)
         self._validating = self.mode == RerunMode.VALIDATE_RESULTS
-        self._rng_after_pass: Optional[dict] = None
-        self._rng_before_step: Optional[dict] = None
+        self._rng_after_pass: Optional[tuple] = None
+        self._rng_before_step: Optional[tuple] = None
+        self._guard = False
         self.consecutive_nan_steps = 0
         self.transient_errors = 0
 
@@ -166,14 +167,17 @@ class RerunController:
         machine = self.machine
         if machine.state == RerunState.NOT_RUNNING_YET:
             machine.current_iteration = iteration  # upstream increments it: its logs then name our step number
-        if self.cfg.check_for_nan_in_loss:
-            self._rng_before_step = get_rng_state()  # a NaN stop saves the state before the step, generators too
+        # With validate_results, megatron-core's own all-reduced checks cover NaN/Inf from the second step of a
+        # process on; the guard (one more all-reduce) covers the rest: the other modes and that first step.
+        self._guard = self.cfg.check_for_nan_in_loss and not (self._validating and machine.first_iteration_complete)
+        if self._guard:
+            self._rng_before_step = snapshot_rng_state()  # a NaN stop saves the state before the step, generators too
         n = 0
         while machine.should_run_forward_backward(data_iterator):
             yield n
             n += 1
             if self._validating:
-                self._rng_after_pass = get_rng_state()
+                self._rng_after_pass = snapshot_rng_state()
 
     def end_step(self, iteration: int, losses: list[dict]) -> StepVerdict:
         """Decide, identically on every rank, what happens to the step after ``iteration`` (see StepVerdict)."""
@@ -183,7 +187,7 @@ class RerunController:
         step = iteration + 1
         if self._validating and machine.state == RerunState.RERUNNING_IN_PLACE:
             # Only a result the re-run did not reproduce ends the passes in this state (upstream: stop with 17).
-            set_rng_state(self._rng_after_pass)  # as after a fault-free step: upstream rewound it for a save
+            restore_rng_state(self._rng_after_pass)  # as after a fault-free step: upstream rewound it for a save
             machine.state = RerunState.NOT_RUNNING_YET
             self.transient_errors += 1
             logger.warning(
@@ -196,7 +200,7 @@ class RerunController:
         should_save, should_exit, code = machine.should_checkpoint_and_exit()
         if should_exit:
             return self._rerun_exit(step, should_save, ExitCode(code))
-        if self.cfg.check_for_nan_in_loss:
+        if self._guard:
             return self._nan_guard(step, losses)
         return StepVerdict()
 
@@ -227,7 +231,7 @@ class RerunController:
             f"checkpoint holds the state before it. Lower the learning rate or inspect the data, set "
             f"rerun_state_machine.rerun_mode=validate_results to tell a hardware fault from a training problem"
         )
-        set_rng_state(self._rng_before_step)  # the checkpoint written on the way out resumes exactly this step
+        restore_rng_state(self._rng_before_step)  # the checkpoint written on the way out resumes exactly this step
         return StepVerdict(apply=False, stop=(ExitCode.RERUN_FAILED_VALIDATION, reason))
 
     # --------------------------------------------------------------- bounded restarts

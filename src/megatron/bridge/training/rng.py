@@ -46,6 +46,28 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def snapshot_rng_state() -> tuple:
+    """A cheap in-memory copy of every generator (no conversion; for :func:`restore_rng_state` in this process)."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda, dict(tracker)
+
+
+def restore_rng_state(snapshot: tuple) -> None:
+    """Restore generators from :func:`snapshot_rng_state`."""
+    from megatron.core import tensor_parallel
+
+    py, npy, cpu, cuda, tracker = snapshot
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+
 _HEADER = 8  # bytes of little-endian payload length in front of a serialized state
 
 
