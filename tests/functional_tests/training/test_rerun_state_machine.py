@@ -7,7 +7,17 @@ only (a re-run computes the true value: transient); ``:always`` corrupts every p
 import json
 import re
 
-from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail, torchrun
+import torch
+from tests.functional_tests.harness import (
+    _flatten,
+    assert_same_state,
+    checkpoint_state,
+    ft_launcher,
+    tail,
+    torchrun,
+)
+
+from megatron.bridge.training.rng import rng_state_from_tensor
 
 VALIDATE = "rerun_state_machine.rerun_mode=validate_results"
 
@@ -17,6 +27,22 @@ def _stops(run) -> list[tuple[int, int]]:
     pattern = r"\[rank0\] INFO megatron\.bridge\.training\.pretrain: training stopped at iteration (\d+): "
     pattern += r".*\(exit code (\d+)\)"
     return [(int(i), int(c)) for i, c in re.findall(pattern, run.output)]
+
+
+def _assert_same_pre_step_state(diagnostic, reference) -> None:
+    """Model, optimizer, progress and every generator equal; the diagnostic checkpoint adds the machine's state."""
+    a, b = checkpoint_state(diagnostic), checkpoint_state(reference)
+    rng_a, rng_b = a.pop("sharded.rng_state"), b.pop("sharded.rng_state")
+    a.pop("common.rng_bytes"), b.pop("common.rng_bytes")
+    assert_same_state(a, b)
+    for row_a, row_b in zip(rng_a, rng_b, strict=True):
+        state_a, state_b = rng_state_from_tensor(row_a), rng_state_from_tensor(row_b)
+        assert state_a.pop("rank_extra") is not None and state_b.pop("rank_extra") is None
+        flat_a, flat_b = _flatten(state_a), _flatten(state_b)
+        assert flat_a.keys() == flat_b.keys()
+        for key, value in flat_a.items():
+            same = torch.equal(value, flat_b[key]) if isinstance(value, torch.Tensor) else value == flat_b[key]
+            assert same, f"generator state {key} differs"
 
 
 def test_transient_nan_is_rerun_found_not_reproducible_and_training_continues(reference_tp1, tmp_path):
@@ -53,6 +79,10 @@ def test_persistent_nan_under_ft_launcher_stops_after_bounded_restarts(tmp_path)
     assert "could not re-run it on other hardware" in run.output
     assert json.loads((ckpt / "rerun_attempts.json").read_text()) == {"step": 5, "restarts": 3, "fallbacks": 0}
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"  # the diagnostic checkpoint
+    # It holds exactly the state after 4 fault-free steps (dropout generators included), ready to re-run step 5.
+    reference = torchrun(tmp_path / "reference", "train.exit_interval=4")  # same schedule, stops after step 4
+    assert reference.exit_code == 20, tail(reference)
+    _assert_same_pre_step_state(ckpt / "iter_0000004", tmp_path / "reference" / "iter_0000004")
 
 
 def test_persistent_nan_with_fallback_sets_the_checkpoint_aside_then_stops(tmp_path):
@@ -122,6 +152,10 @@ def test_spiky_loss_is_flagged_only_when_checked(tmp_path):
     assert "(message='Spiky loss')" in rerun.output
     assert "First rerun: unexpected result is not reproducible within the tolerance" in rerun.output
     assert "Continuing normal execution because failed validation was not fatal" in rerun.output
+    clean = torchrun(tmp_path / "clean", *common)
+    assert clean.exit_code == 0, tail(clean)
+    assert rerun.losses() == clean.losses()  # the re-run's clean result is the one applied
+    assert off.losses()[60] != clean.losses()[60]
 
 
 def test_report_determinism_stats_reruns_every_step_and_reports(reference_tp1, tmp_path):
@@ -134,7 +168,7 @@ def test_report_determinism_stats_reruns_every_step_and_reports(reference_tp1, t
         run.output,
     )
     assert [int(i) for i, _ in reports] == [2, 4, 6, 8, 10, 12], tail(run)
-    assert all("identical" in text for _, text in reports), reports  # CPU re-runs reproduce every bit
+    assert all(re.fullmatch(r"[\d,]+ samples, all identical", text) for _, text in reports), reports  # CPU: bitwise
     assert run.losses() == reference.losses()
     assert_same_state(
         checkpoint_state(tmp_path / "ckpt" / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012")

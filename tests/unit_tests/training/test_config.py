@@ -123,7 +123,8 @@ INVALID = [
     ),
     (["rerun_state_machine.rerun_mode=paranoid"], 1, "rerun_state_machine.rerun_mode"),
     (["rerun_state_machine.spiky_loss_factor=1.0"], 1, "rerun_state_machine.spiky_loss_factor"),
-    (["rerun_state_machine.max_rerun_restarts=-1"], 1, "rerun_state_machine.max_rerun_restarts"),
+    (["rerun_state_machine.max_rerun_restarts=0"], 1, "rerun_state_machine.max_rerun_restarts"),
+    (["rerun_state_machine.max_consecutive_nan_skips=-1"], 1, "rerun_state_machine.max_consecutive_nan_skips"),
     (
         ["rerun_state_machine.max_consecutive_nan_skips=3", "rerun_state_machine.check_for_nan_in_loss=false"],
         1,

@@ -58,7 +58,9 @@ def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> t
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
-    validate_loss(loss)  # NaN/Inf and spiky-loss checks (rerun_state_machine config)
+    # NaN/Inf and spiky-loss checks (rerun_state_machine config). A copy: the schedule divides the returned loss
+    # in place by the number of micro-batches, and the state machine keeps the tensor to compare with its re-run.
+    validate_loss(loss.detach().clone())
     return loss, {"lm loss": loss.detach().clone()}
 
 

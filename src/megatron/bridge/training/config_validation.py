@@ -341,9 +341,15 @@ def _validate_rerun(cfg: ConfigContainer) -> None:
             f"{r.spiky_loss_factor} would flag ordinary losses (a loss is spiky above factor x the largest seen)",
             "use a factor above 1, e.g. 10 (larger for large models)",
         )
-    for name in ("max_consecutive_nan_skips", "max_rerun_restarts", "error_injection_rate"):
+    for name in ("max_consecutive_nan_skips", "error_injection_rate"):
         if getattr(r, name) < 0:
             _fail(f"rerun_state_machine.{name}", f"{getattr(r, name)} is negative", "use 0 or more")
+    if r.max_rerun_restarts < 1:
+        _fail(
+            "rerun_state_machine.max_rerun_restarts",
+            f"{r.max_rerun_restarts} would stop before the diagnostic checkpoint of a failing step is saved",
+            "use 1 or more (the first exit 16 saves it)",
+        )
     if r.max_consecutive_nan_skips > 0 and (r.rerun_mode != "disabled" or not r.check_for_nan_in_loss):
         _fail(
             "rerun_state_machine.max_consecutive_nan_skips",

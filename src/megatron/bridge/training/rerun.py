@@ -66,7 +66,9 @@ def build_rerun_state_machine(cfg: RerunStateMachineConfig) -> Any:
     return BridgeRerunStateMachine(
         # The model-parallel RNG tracker (dropout) must replay too; python/numpy/torch states upstream saves itself.
         state_save_func=lambda: {"tracker": tracker().get_states()},
-        state_restore_func=lambda saved: tracker().set_states(saved["tracker"]),
+        # set_states keeps the dict it is given and later forks write into it: hand it a copy, or a second restore
+        # of the same step would see the generators as the re-run left them.
+        state_restore_func=lambda saved: tracker().set_states(dict(saved["tracker"])),
         mode=upstream.RerunMode(cfg.rerun_mode),
         error_injector=upstream.RerunErrorInjector(
             error_injection_rate=cfg.error_injection_rate,
@@ -144,6 +146,7 @@ class RerunController:
         self._rng_after_pass: Optional[tuple] = None
         self._rng_before_step: Optional[tuple] = None
         self._guard = False
+        self._passes = 0
         self.consecutive_nan_steps = 0
         self.transient_errors = 0
 
@@ -169,13 +172,14 @@ class RerunController:
             machine.current_iteration = iteration  # upstream increments it: its logs then name our step number
         # With validate_results, megatron-core's own all-reduced checks cover NaN/Inf from the second step of a
         # process on; the guard (one more all-reduce) covers the rest: the other modes and that first step.
+        # A re-run only compares the one check that failed, so after more than one pass the guard runs as well.
         self._guard = self.cfg.check_for_nan_in_loss and not (self._validating and machine.first_iteration_complete)
-        if self._guard:
+        if self.cfg.check_for_nan_in_loss:
             self._rng_before_step = snapshot_rng_state()  # a NaN stop saves the state before the step, generators too
-        n = 0
+        self._passes = 0
         while machine.should_run_forward_backward(data_iterator):
-            yield n
-            n += 1
+            yield self._passes
+            self._passes += 1
             if self._validating:
                 self._rng_after_pass = snapshot_rng_state()
 
@@ -200,7 +204,7 @@ class RerunController:
         should_save, should_exit, code = machine.should_checkpoint_and_exit()
         if should_exit:
             return self._rerun_exit(step, should_save, ExitCode(code))
-        if self._guard:
+        if self.cfg.check_for_nan_in_loss and (self._guard or self._passes > 1):
             return self._nan_guard(step, losses)
         return StepVerdict()
 
@@ -402,7 +406,15 @@ def _write_json(path: str, record: dict) -> None:
 
 
 def _on_rank0(fn: Any) -> Any:
-    """Run ``fn`` on rank 0 and give every rank its result."""
-    box = [fn() if dist.get_rank() == 0 else None]
+    """Run ``fn`` on rank 0 and give every rank its result; if it raises there, raise on every rank."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as err:  # a file error on rank 0 must not leave the others waiting in the broadcast
+            box = [("error", f"{type(err).__name__}: {err}")]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeError(f"rank 0 could not update the re-run record: {value}")
+    return value

@@ -43,7 +43,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
 def snapshot_rng_state() -> tuple:
@@ -65,7 +65,7 @@ def restore_rng_state(snapshot: tuple) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)
-    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker))  # it keeps, and later writes into, the dict
 
 
 _HEADER = 8  # bytes of little-endian payload length in front of a serialized state
