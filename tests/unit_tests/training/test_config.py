@@ -114,7 +114,6 @@ INVALID = [
         1,
         "nvrx_straggler.num_gpu_perf_scores_to_print",
     ),
-    (["inprocess_restart.enabled=true"], 1, "inprocess_restart.enabled"),
     (["rerun_state_machine.rerun_mode=validate_results"], 1, "rerun_state_machine.rerun_mode"),
     (
         ["rerun_state_machine.rerun_mode=validate_results", "checkpoint.save=/a", "checkpoint.load=/b"],

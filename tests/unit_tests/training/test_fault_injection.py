@@ -11,6 +11,7 @@ from megatron.bridge.training.fault_injection import Fault, StepFaults, parse
 
 def test_parse_accepts_every_kind_and_option():
     assert parse("sigterm@4:1,sigterm-tree@6:0") == [Fault("sigterm", 4, 1), Fault("sigterm-tree", 6, 0)]
+    assert parse("stall@5:1:always") == [Fault("stall", 5, 1, always=True)]
     assert parse("hang@3:1, kill@5:0:always,slow@1:1,slow@2:0:x3.5:always") == [
         Fault("hang", 3, 1),
         Fault("kill", 5, 0, always=True),
@@ -66,12 +67,15 @@ def test_slow_fault_stretches_the_step_from_its_iteration_on(monkeypatch):
 
 
 def test_other_ranks_and_restarted_jobs_are_not_slowed(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.setenv(fault_injection.ENV, "slow@1:1")
 
     def step():
         return None
 
     assert StepFaults(rank=0).wrap_forward_step(step) is step
+    assert StepFaults(rank=1, inprocess_iteration=1).wrap_forward_step(step) is step  # an in-process restart
+    assert StepFaults(rank=1).wrap_forward_step(step) is not step
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert StepFaults(rank=1).wrap_forward_step(step) is step
 

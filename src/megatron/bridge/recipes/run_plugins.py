@@ -158,6 +158,7 @@ class FaultTolerancePlugin(run.Plugin):
             ValueError: If the script is inline or not run by Python, or a Slurm executor has no job directory yet.
         """
         _check_task(task)
+        _reject_inprocess_restart(task, type(self).__name__)
         text = self.ft_launcher_config_yaml()
         if isinstance(executor, run.SlurmExecutor):
             if not executor.job_dir:
@@ -269,6 +270,7 @@ class PreemptionPlugin(run.Plugin):
             ValueError: If the script is inline or not run by Python.
         """
         _check_task(task, type(self).__name__)
+        _reject_inprocess_restart(task, type(self).__name__)
         if not isinstance(executor, (run.SlurmExecutor, run.LocalExecutor)):
             raise TypeError(
                 f"PreemptionPlugin does not support executor type {type(executor).__name__}; "
@@ -287,6 +289,23 @@ class PreemptionPlugin(run.Plugin):
             "PreemptionPlugin: %s; task args += %s",
             f"SIGTERM {self.preempt_time} s before the limit" if isinstance(executor, run.SlurmExecutor) else "local",
             overrides,
+        )
+
+
+def _reject_inprocess_restart(task: Any, plugin: str) -> None:
+    """Refuse a task that enables in-process restart (seed pitfall 3), before anything is changed.
+
+    Raises:
+        ValueError: ``inprocess_restart.enabled=true`` is among the task's arguments.
+    """
+    enabling = ("inprocess_restart.enabled=true", "inprocess_restart.enabled=1")
+    if any(str(arg).strip().lower() in enabling for arg in task.args or []):
+        raise ValueError(
+            f"{plugin} cannot be combined with inprocess_restart.enabled=true: in-process restart terminates hung "
+            "ranks with SIGTERM and restarts inside the processes, which the plugin's launcher and signal handling "
+            "would take for a failure or a preemption. Fix: drop the plugin and launch with "
+            "`srun --kill-on-bad-exit=0 python -m megatron.bridge.launch ...` (or ft_launcher without the plugin), "
+            "or set inprocess_restart.enabled=false"
         )
 
 

@@ -236,34 +236,42 @@ class StragglerDetectionConfig:
 
 @dataclass
 class InProcessRestartConfig:
-    """In-process restart through nvidia-resiliency-ext's ``inprocess.Wrapper`` (experimental)."""
+    """In-process restart through nvidia-resiliency-ext's ``inprocess.Wrapper`` (experimental).
+
+    Needs a launcher that sets ``MASTER_ADDR``/``MASTER_PORT`` (torchrun, ``megatron.bridge.launch``, ft_launcher or
+    srun with ``--kill-on-bad-exit=0``), the environment ``TORCH_CPP_LOG_LEVEL=error``,
+    ``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``, ``NCCL_NVLS_ENABLE=0``, and a free port at ``MASTER_PORT + 2`` (the
+    wrapper's store, hosted by rank 0).
+    """
 
     enabled: bool = False
     """Enable in-process restart."""
     active_world_size: Optional[int] = None
-    """Ranks executing the workload; the rest are warm reserves."""
+    """Ranks executing the workload; the rest are warm reserves that replace faulty ranks. ``None``: all ranks."""
     granularity: str = "node"
-    """``"node"`` or ``"rank"`` restart granularity."""
+    """``"node"``: a fault retires every rank of the faulty rank's node; ``"rank"``: only that rank."""
     max_iterations: Optional[int] = None
-    """Maximum restart attempts; ``None`` is unlimited."""
+    """Maximum in-process restarts (the training function runs at most this + 1 times); then the processes exit
+    with code 22 and an outer launcher may restart the job. ``None`` is unlimited."""
     soft_timeout: float = 60.0
-    """Seconds without progress before a hang is declared (GIL released)."""
+    """Seconds without progress (a completed step or save) before a rank is declared hung and every rank restarts
+    in-process; catches hangs with the GIL released."""
     hard_timeout: float = 90.0
-    """Seconds without progress before hung ranks are force-terminated."""
+    """Seconds without progress before a hung rank is terminated (SIGTERM, then SIGKILL)."""
     heartbeat_interval: float = 30.0
-    """Seconds between monitor heartbeats."""
+    """Seconds between the monitor processes' heartbeats."""
     heartbeat_timeout: float = 60.0
     """Seconds of missing heartbeats before a rank is declared dead."""
     barrier_timeout: float = 120.0
-    """Timeout of the restart barrier."""
+    """Timeout of the barrier every rank passes before a restart."""
     completion_timeout: float = 120.0
-    """Timeout of the completion barrier."""
+    """Timeout of the barrier every rank passes when the training function returns."""
     empty_cuda_cache: bool = True
-    """Empty the CUDA cache during a restart."""
+    """Empty the CUDA cache before a restart (no effect without CUDA)."""
     max_rank_faults: Optional[int] = None
-    """Maximum rank faults before terminating."""
+    """Faults a rank may cause before its health check fails and it is retired. ``None`` is unlimited."""
     monitor_process_logdir: Optional[str] = None
-    """Directory for monitor process logs."""
+    """Directory for one monitor-process log per rank (``monitor_process_<rank>.log``); ``None`` logs nowhere."""
 
 
 @dataclass

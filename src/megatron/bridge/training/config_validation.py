@@ -47,6 +47,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     _validate_fault_tolerance(cfg.ft, world_size)
     _validate_straggler(cfg)
     _validate_rerun(cfg)
+    _validate_inprocess_restart(cfg, world_size)
     _validate_not_yet_supported(cfg)
 
 
@@ -388,10 +389,90 @@ def _validate_rerun(cfg: ConfigContainer) -> None:
         )
 
 
+# Must match inprocess_restart.REQUIRED_ENV (kept here so that validation does not import the feature module).
+_INPROCESS_ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+_INPROCESS_MONITOR_INTERVAL_S = 1.0  # the wrapper's monitor-thread, monitor-process and watchdog intervals
+
+
+def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int) -> None:
+    ipr = cfg.inprocess_restart
+    if not ipr.enabled:
+        return
+    p = "inprocess_restart"
+    if ipr.granularity not in ("node", "rank"):
+        _fail(f"{p}.granularity", f"unknown granularity {ipr.granularity!r}", 'use "node" or "rank"')
+    if ipr.active_world_size is not None and not 1 <= ipr.active_world_size <= world_size:
+        _fail(
+            f"{p}.active_world_size",
+            f"{ipr.active_world_size} is not between 1 and the world size {world_size}",
+            f"use a value in [1, {world_size}] (ranks above it wait as reserves) or leave it unset",
+        )
+    for name in ("max_iterations", "max_rank_faults"):
+        if getattr(ipr, name) is not None and getattr(ipr, name) < 0:
+            _fail(f"{p}.{name}", f"{getattr(ipr, name)} is negative", "use 0 or more, or None for no limit")
+    timeouts = ("soft_timeout", "hard_timeout", "heartbeat_interval", "heartbeat_timeout", "barrier_timeout")
+    for name in (*timeouts, "completion_timeout"):
+        if getattr(ipr, name) <= 0:
+            _fail(f"{p}.{name}", f"must be > 0 seconds, got {getattr(ipr, name)}", "use a positive number of seconds")
+    ordered = [
+        ("soft_timeout", "hard_timeout", "a hung rank is first aborted (soft), then terminated (hard)"),
+        ("hard_timeout", "barrier_timeout", "ranks wait at the restart barrier for a hung rank to be terminated"),
+        ("hard_timeout", "completion_timeout", "ranks wait at the completion barrier for a hung rank to be terminated"),
+        ("heartbeat_interval", "heartbeat_timeout", "a missing rank is detected after several missed heartbeats"),
+        ("heartbeat_timeout", "barrier_timeout", "a dead rank must be detected before the barrier gives up"),
+    ]
+    for lower, upper, why in ordered:
+        if not getattr(ipr, lower) < getattr(ipr, upper):
+            _fail(
+                f"{p}.{lower}",
+                f"{getattr(ipr, lower)} s must be < {p}.{upper}={getattr(ipr, upper)} s ({why})",
+                f"lower {lower} or raise {upper}",
+            )
+    for name in ("soft_timeout", "heartbeat_timeout"):
+        if getattr(ipr, name) <= _INPROCESS_MONITOR_INTERVAL_S:
+            _fail(
+                f"{p}.{name}",
+                f"{getattr(ipr, name)} s is not above the wrapper's monitoring interval "
+                f"({_INPROCESS_MONITOR_INTERVAL_S} s)",
+                "use a few seconds or more",
+            )
+    if cfg.dist.distributed_timeout_minutes * 60 <= ipr.hard_timeout:
+        _fail(
+            "dist.distributed_timeout_minutes",
+            f"{cfg.dist.distributed_timeout_minutes} min is not above {p}.hard_timeout={ipr.hard_timeout} s: the "
+            "collective watchdog would kill the process before in-process restart could recover it",
+            f"raise it above {ipr.hard_timeout / 60:.1f} min or lower {p}.hard_timeout",
+        )
+    missing = {k: v for k, v in _INPROCESS_ENV.items() if os.environ.get(k) != v}
+    if missing:
+        _fail(
+            f"{p}.enabled",
+            "in-process restart needs the environment "
+            + ", ".join(f"{k}={v}" for k, v in _INPROCESS_ENV.items())
+            + " (quiet c10d logs on abort, NCCL errors that do not kill the process, NVLink SHARP off); not set: "
+            + ", ".join(f"{k} (is {os.environ.get(k)!r})" for k in missing),
+            "export " + " ".join(f"{k}={v}" for k, v in missing.items()) + " in the job script before launching",
+        )
+    if cfg.train.exit_signal_handler:
+        _fail(
+            "train.exit_signal_handler",
+            "cannot be combined with in-process restart (the preemption path, e.g. NeMo-Run's PreemptionPlugin): the "
+            "wrapper terminates hung ranks with SIGTERM, which the handler would take for a preemption and save on",
+            "set train.exit_signal_handler=false, or inprocess_restart.enabled=false to use preemption handling",
+        )
+    if cfg.ft.enable_ft_package:
+        _fail(
+            "ft.enable_ft_package",
+            "cannot be combined with in-process restart in this version: FT's section timers would see the "
+            "in-process restart as a hang and restart the job under it",
+            "set ft.enable_ft_package=false and launch under ft_launcher (--max-restarts) to keep in-job restart as "
+            "the fallback when in-process restart gives up",
+        )
+
+
 def _validate_not_yet_supported(cfg: ConfigContainer) -> None:
     """Reject features whose configuration exists but whose runtime this version does not have."""
     enabled = {
-        "inprocess_restart.enabled": cfg.inprocess_restart.enabled,
         "checkpoint.non_persistent_ckpt_type": cfg.checkpoint.non_persistent_ckpt_type is not None,
     }
     for name, on in enabled.items():

@@ -46,6 +46,11 @@ class ExitCode(enum.IntEnum):
     """A straggler was detected with ``nvrx_straggler.stop_if_detected``; a checkpoint was saved. Action: requeue
     on other nodes."""
 
+    INPROCESS_RESTART_EXHAUSTED = 22
+    """In-process restart gave up (``inprocess_restart.max_iterations`` used up, too few healthy ranks, or a rank
+    past ``max_rank_faults``). Action: restart the job from the newest checkpoint (in-job restart, on other nodes
+    if a node was retired)."""
+
 
 class TrainingExit(SystemExit):
     """Raised to end training with a specific :class:`ExitCode` after cleanup ran."""

@@ -3,14 +3,17 @@
 ``MBRIDGE_FAULTS="<kind>@<iteration>:<rank>[:x<factor>][:always],..."`` with kind ``hang`` (the process stops itself
 with SIGSTOP, as a hung GPU or a deadlock would look from outside), ``kill`` (SIGKILL), ``exception`` (an uncaught
 ``RuntimeError``), ``sigterm`` (the rank receives SIGTERM, as from a scheduler that preempts the job),
-``sigterm-tree`` (the rank and every process it started receive SIGTERM, as Slurm signals a job step), ``slow``
+``sigterm-tree`` (the rank and every process it started receive SIGTERM, as Slurm signals a job step), ``stall``
+(the rank stops making progress but stays alive, waiting with the GIL released, as a rank blocked on a lock, a
+store or a peer would: its threads and its heartbeats go on), ``slow``
 (from that iteration on, every forward step of the rank takes ``factor`` times as long, default 2: the rank sleeps
 for the extra time inside the step; CPU-side timing sees it, CUDA kernel timing does not), ``nan`` (the rank's
 forward output, hence its loss and gradients, becomes NaN) or ``spike`` (its forward output is multiplied by
 ``factor``, default 100).
 
 A fault strikes when the given rank *starts* that iteration, in the first attempt of a job only
-(``TORCHELASTIC_RESTART_COUNT`` unset or 0) unless ``always`` is given, so that a restarted job can recover.
+(``TORCHELASTIC_RESTART_COUNT`` unset or 0, and the first in-process restart iteration) unless ``always`` is given,
+so that a restarted job can recover.
 ``nan`` and ``spike`` corrupt only the first forward pass of the iteration (a re-run of the step computes the true
 value: a transient fault); with ``always`` every pass of that iteration in every attempt is corrupted (a
 reproducible fault).
@@ -28,7 +31,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 ENV = "MBRIDGE_FAULTS"
-KINDS = ("hang", "kill", "exception", "sigterm", "sigterm-tree", "slow", "nan", "spike")
+KINDS = ("hang", "kill", "exception", "sigterm", "sigterm-tree", "stall", "slow", "nan", "spike")
 _SCALED = ("slow", "spike")
 """Kinds that take ``x<factor>``."""
 _VALUE_KINDS = ("nan", "spike")
@@ -113,6 +116,9 @@ def strike(kind: str, where: str) -> None:
     elif kind == "sigterm-tree":
         for pid in [*_descendants(os.getpid()), os.getpid()]:
             os.kill(pid, signal.SIGTERM)
+    elif kind == "stall":
+        while True:  # short sleeps: the GIL is free, and an exception raised asynchronously into the thread lands
+            time.sleep(0.05)
     else:
         raise RuntimeError(f"fault injection: exception at {where}")
 
@@ -120,8 +126,8 @@ def strike(kind: str, where: str) -> None:
 class StepFaults:
     """The faults scheduled for this rank, checked at the start of every iteration."""
 
-    def __init__(self, rank: int) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    def __init__(self, rank: int, inprocess_iteration: int = 0) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
         mine = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and (f.always or first_attempt)]
         self._at = {f.iteration: f.kind for f in mine if f.kind not in ("slow", *_VALUE_KINDS)}
         self._values = {f.iteration: f for f in mine if f.kind in _VALUE_KINDS}

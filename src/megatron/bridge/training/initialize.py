@@ -4,6 +4,7 @@ import datetime
 import logging
 import os
 import random
+from typing import Optional
 
 import numpy as np
 import torch
@@ -52,11 +53,16 @@ def bind_cpu_cores(local_rank: int, local_world_size: int) -> list[int]:
     return mine
 
 
-def initialize_distributed(cfg: ConfigContainer) -> torch.device:
+def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = None) -> torch.device:
     """Initialise torch.distributed and megatron-core's model-parallel groups; return this rank's device.
 
     The backend comes from the device actually present (nccl with CUDA, gloo without) unless ``dist.backend``
     names one. On a machine without CUDA the CPU shims for upstream code are applied first.
+
+    Args:
+        cfg: the run's configuration.
+        store: rendezvous store for the default group (in-process restart gives each iteration its own);
+            ``None`` uses the launcher's environment (``env://``).
     """
     device = select_device()
     if device.type == "cpu":
@@ -64,8 +70,11 @@ def initialize_distributed(cfg: ConfigContainer) -> torch.device:
 
         apply_cpu_shims()
     backend = cfg.dist.backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
-    if not dist.is_initialized():
+    timeout = collective_timeout(cfg, backend)
+    if not dist.is_initialized() and store is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
+    elif not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
     from megatron.core import parallel_state
 
@@ -73,7 +82,7 @@ def initialize_distributed(cfg: ConfigContainer) -> torch.device:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
-            distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
+            distributed_timeout_minutes=timeout.total_seconds() / 60,
         )
     logger.info(
         "initialized %s on %s: world size %d, tensor parallel %d, data parallel %d",
@@ -84,6 +93,20 @@ def initialize_distributed(cfg: ConfigContainer) -> torch.device:
         parallel_state.get_data_parallel_world_size(),
     )
     return device
+
+
+def collective_timeout(cfg: ConfigContainer, backend: str) -> datetime.timedelta:
+    """How long a collective may wait: ``dist.distributed_timeout_minutes``, except gloo under in-process restart.
+
+    A gloo collective cannot be aborted from another thread, and a failed peer's connections stay open while its
+    aborted iteration is still referenced: the only thing that frees a rank waiting on it is the collective's own
+    timeout. Under in-process restart gloo collectives therefore time out after ``inprocess_restart.soft_timeout``
+    (a healthy collective of a step never takes that long), so the waiting rank joins the restart instead of being
+    terminated at ``hard_timeout``. NCCL communicators are aborted (:func:`abort_distributed`).
+    """
+    if backend == "gloo" and cfg.inprocess_restart.enabled:
+        return datetime.timedelta(seconds=cfg.inprocess_restart.soft_timeout)
+    return datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
 
 
 def set_seeds(seed: int) -> None:
@@ -113,6 +136,20 @@ def init_rerun_state(cfg: ConfigContainer) -> None:
     rerun_state_machine.destroy_rerun_state_machine()
     # The public initializer builds the plain upstream class; ours fixes its determinism-stats report.
     rerun_state_machine._set_rerun_state_machine(build_rerun_state_machine(cfg.rerun_state_machine))
+
+
+def abort_distributed() -> None:
+    """Abort every process group, so that peers blocked in a collective with this rank fail now (idempotent).
+
+    Destroying a group is not enough with NCCL: its communicators must be aborted. gloo groups have no working
+    abort (their connections close only when the last reference goes); see :func:`collective_timeout`.
+    """
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except (RuntimeError, ValueError) as err:  # already aborted or destroyed underneath
+            logger.debug("process group abort: %s", err)
+    destroy_distributed()
 
 
 def destroy_distributed() -> None:

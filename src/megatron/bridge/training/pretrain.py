@@ -17,12 +17,14 @@ from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.initialize import (
+    abort_distributed,
     destroy_distributed,
     init_rerun_state,
     initialize_distributed,
     set_seeds,
     setup_logging,
 )
+from megatron.bridge.training.inprocess_restart import RestartIteration
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
@@ -38,6 +40,9 @@ logger = logging.getLogger(__name__)
 def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
     """Validate ``cfg``, set up the run, resume from the newest valid checkpoint and train.
 
+    With ``inprocess_restart.enabled`` the whole of it (process groups included) runs again in the same processes
+    after a rank fault; see :func:`maybe_wrap_for_inprocess_restart`.
+
     Args:
         cfg: the run's configuration.
         forward_step_func: ``(data_iterator, model) -> (output_tensor, loss_func)`` for one micro-batch.
@@ -47,11 +52,33 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
 
     Raises:
         ValueError: the configuration is invalid (nothing was started).
-        TrainingExit: training could not start or had to stop early (e.g. no valid checkpoint).
+        TrainingExit: training could not start or had to stop early (e.g. no valid checkpoint, or in-process
+            restart gave up).
     """
-    start_time = time.time()
     cfg.validate()
     setup_logging(cfg.logger.log_level)
+    return maybe_wrap_for_inprocess_restart(_pretrain, cfg)(cfg, forward_step_func)
+
+
+def maybe_wrap_for_inprocess_restart(fn: Callable[..., ExitCode], cfg: ConfigContainer) -> Callable[..., ExitCode]:
+    """``fn`` unchanged, or wrapped by nvidia-resiliency-ext's in-process restart when ``inprocess_restart.enabled``.
+
+    ``fn(cfg, forward_step_func, restart=None)`` must build every piece of distributed state itself and tear it
+    down on the way out: when wrapped, it is called again in the same process after a fault.
+    """
+    if not cfg.inprocess_restart.enabled:
+        return fn
+    from megatron.bridge.training import inprocess_restart
+
+    return inprocess_restart.wrap(fn, cfg.inprocess_restart, abort_process_groups=abort_distributed)
+
+
+def _pretrain(
+    cfg: ConfigContainer, forward_step_func: Callable, restart: Optional[RestartIteration] = None
+) -> ExitCode:
+    """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down."""
+    start_time = time.time()
+    setup_logging(cfg.logger.log_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.mock import build_data_iterator
     from megatron.bridge.models.gpt import build_gpt_model
 
@@ -63,8 +90,23 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
     handlers = contextlib.ExitStack()
     if cfg.train.exit_signal_handler:  # never trap the scheduler's signal unless asked to
         handlers.enter_context(signals)
+
+    def teardown_steps() -> list[Callable[[], None]]:
+        return [
+            straggler.shutdown,  # first: the detector is process-global, a later pretrain() in this process needs it
+            *([metrics.close] if metrics is not None else []),
+            *([checkpoints.close] if checkpoints is not None else []),
+            ft.shutdown,
+            destroy_distributed,
+            *([ctx.deadline.cancel] if ctx is not None and ctx.deadline is not None else []),
+            handlers.close,
+        ]
+
+    teardown = _Teardown(teardown_steps)
+    if restart is not None:
+        restart.cleanups.append(teardown)
     try:
-        device = initialize_distributed(cfg)
+        device = initialize_distributed(cfg, store=restart.process_group_store() if restart is not None else None)
         straggler.initialize()
         checkpoints = CheckpointManager(cfg.checkpoint)
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
@@ -95,7 +137,7 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
                 else None
             ),
         )
-        faults = StepFaults(dist.get_rank())
+        faults = StepFaults(dist.get_rank(), inprocess_iteration=restart.iteration if restart is not None else 0)
         ctx = TrainContext(
             cfg=cfg,
             model=model,
@@ -112,6 +154,7 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
             signals=signals,
             rerun=rerun,
             start_time=start_time,
+            report_progress=restart.ping if restart is not None else _no_progress_watchdog,
         )
         ft.on_setup_end()
         code, reason = train(ctx)
@@ -129,18 +172,33 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
     except BaseException:
         if checkpoints is not None:
             checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
+        abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)
         raise
     finally:
-        straggler.shutdown()  # first: the detector is process-global, a later pretrain() in this process needs it
-        if metrics is not None:
-            metrics.close()
-        if checkpoints is not None:
-            checkpoints.close()
-        ft.shutdown()
-        destroy_distributed()
-        if ctx is not None and ctx.deadline is not None:
-            ctx.deadline.cancel()
-        handlers.close()
+        teardown()
+
+
+def _no_progress_watchdog() -> None:
+    """Progress report when nothing watches progress (no in-process restart)."""
+
+
+class _Teardown:
+    """The end of one run, in order; each step runs once, and a second call finishes what an interrupted one left.
+
+    The steps are listed at the first call (from what the run had built by then). An in-process restart can
+    interrupt the ``finally`` of an aborted iteration; the wrapper's finalize step calls this again before the next
+    iteration starts.
+    """
+
+    def __init__(self, list_steps: Callable[[], list[Callable[[], None]]]) -> None:
+        self._list_steps = list_steps
+        self._steps: Optional[list[Callable[[], None]]] = None
+
+    def __call__(self) -> None:
+        if self._steps is None:
+            self._steps = self._list_steps()
+        while self._steps:
+            self._steps.pop(0)()
 
 
 def main(

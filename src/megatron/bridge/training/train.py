@@ -10,8 +10,10 @@ Order of events in one iteration (features hook in at these moments, with their 
 4. log metrics;
 5. straggler detection: count the step; when a report is due, all ranks score each other (may ask to stop);
 6. decide whether to stop (end of training, exit signal on any rank, straggler, ``exit_interval``,
-   ``exit_duration_in_mins``); on a signal, start the stop deadline; close ``step``;
-7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops;
+   ``exit_duration_in_mins``); on a signal, start the stop deadline; close ``step``; report progress (in-process
+   restart's watchdog);
+7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops, and
+   report progress again;
 8. stop with the exit code of the reason.
 """
 
@@ -57,6 +59,9 @@ class TrainContext:
     signals: DistributedSignalHandler
     rerun: RerunController
     start_time: float
+    report_progress: Callable[[], None] = lambda: None
+    """Called after every completed step and save: in-process restart's progress watchdog declares a rank that
+    stops calling it hung after ``inprocess_restart.soft_timeout``."""
     deadline: Optional[StopDeadline] = None
     """Running while a preempted run saves and exits."""
 
@@ -209,9 +214,11 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
             ctx.deadline = start_stop_deadline(ctx)
         ctx.ft.on_step_end()
+        ctx.report_progress()
         if _should_save(ctx, stopping=stop is not None):
             ctx.ft.on_checkpoint_start()
             ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
             ctx.ft.on_checkpoint_end()
+            ctx.report_progress()
         if stop is not None:
             return stop

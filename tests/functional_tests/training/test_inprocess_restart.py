@@ -1,0 +1,96 @@
+"""In-process restart drills: real faults in a 2-rank gloo run wrapped by nvidia-resiliency-ext's inprocess.Wrapper.
+
+The faulty rank raises or stalls; every rank restarts inside the same process, resumes from the newest verified
+checkpoint and finishes with the state of an uninterrupted run. When the wrapper gives up, the processes exit with 22
+and an outer ft_launcher restarts the job.
+"""
+
+import re
+
+from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail, torchrun
+
+ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+# Timeouts for a 2-core machine: a step takes ~0.03 s and a save up to a few seconds.
+IPR = [
+    "inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=8", "inprocess_restart.hard_timeout=40",
+    "inprocess_restart.heartbeat_interval=2", "inprocess_restart.heartbeat_timeout=10",
+    "inprocess_restart.barrier_timeout=90", "inprocess_restart.completion_timeout=90",
+]  # fmt: skip
+STRIKE = "fault_injection: fault injection: exception at iteration 5"
+"""The log line of a strike (the message also appears in tracebacks)."""
+_ITERATION_RE = re.compile(r"\[rank(\d)\] \S+ \S+ in-process restart: iteration (\d+) starts in pid (\d+) as rank")
+
+
+def _pids(output: str) -> dict[int, list[tuple[int, int]]]:
+    """Per initial rank, the (restart iteration, pid) of every start of the training function."""
+    starts: dict[int, list[tuple[int, int]]] = {}
+    for rank, iteration, pid in _ITERATION_RE.findall(output):
+        starts.setdefault(int(rank), []).append((int(iteration), int(pid)))
+    return starts
+
+
+def test_exception_restarts_in_the_same_processes_and_finishes_bit_identical(reference_tp1, tmp_path):
+    reference, reference_ckpt = reference_tp1
+    logdir = tmp_path / "monitor_logs"
+    run = torchrun(
+        tmp_path / "ckpt", *IPR, f"inprocess_restart.monitor_process_logdir={logdir}",
+        env={**ENV, "MBRIDGE_FAULTS": "exception@5:1"},
+    )  # fmt: skip
+    assert run.exit_code == 0, tail(run, 80)
+    assert "fault injection: exception at iteration 5" in run.output
+    starts = _pids(run.output)
+    assert sorted(starts) == [0, 1], tail(run, 80)
+    for rank, seen in starts.items():
+        assert [i for i, _ in seen] == [0, 1], (rank, seen)  # exactly one in-process restart
+        assert len({pid for _, pid in seen}) == 1, (rank, seen)  # in the same process
+    assert "Interruption.EXCEPTION on ranks={1}" in run.output
+    assert "successfully loaded verified checkpoint" in run.output and "at iteration 3" in run.output
+    assert "[NestedRestarter] name=[InProcess] state=finalized" in run.output
+    assert {p.name for p in logdir.iterdir()} == {"monitor_process_0.log", "monitor_process_1.log"}
+    # Resumed from 3 and trained on: the losses and the final state are those of the uninterrupted run.
+    assert run.losses() == reference.losses()
+    assert_same_state(
+        checkpoint_state(tmp_path / "ckpt" / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012")
+    )
+
+
+def test_stalled_rank_times_out_softly_and_restarts_in_process(reference_tp1, tmp_path):
+    reference, reference_ckpt = reference_tp1
+    run = torchrun(tmp_path / "ckpt", *IPR, env={**ENV, "MBRIDGE_FAULTS": "stall@5:1"})
+    assert run.exit_code == 0, tail(run, 80)
+    assert "fault injection: stall at iteration 5" in run.output
+    assert "Interruption.SOFT_TIMEOUT" in run.output, tail(run, 80)  # no exception anywhere: the watchdog saw it
+    assert "HARD_TIMEOUT" not in run.output
+    starts = _pids(run.output)
+    for rank in (0, 1):
+        assert [i for i, _ in starts[rank]] == [0, 1] and len({pid for _, pid in starts[rank]}) == 1, starts
+    assert run.losses() == reference.losses()
+    assert_same_state(
+        checkpoint_state(tmp_path / "ckpt" / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012")
+    )
+
+
+def test_max_iterations_used_up_stops_with_22(tmp_path):
+    run = torchrun(
+        tmp_path / "ckpt", *IPR, "inprocess_restart.max_iterations=1",
+        env={**ENV, "MBRIDGE_FAULTS": "exception@5:1:always"},
+    )  # fmt: skip
+    assert run.exit_code == 22, tail(run, 80)
+    assert run.output.count(STRIKE) == 2  # the first run and the one restart
+    assert [i for i, _ in _pids(run.output)[0]] == [0, 1]
+    assert "in-process restart gave up" in run.output and "inprocess_restart.max_iterations=1" in run.output
+    assert "[NestedRestarter] name=[InProcess] state=aborted" in run.output
+
+
+def test_nested_under_ft_launcher_in_job_restart_takes_over_when_in_process_gives_up(tmp_path):
+    run = ft_launcher(
+        tmp_path / "ckpt", *IPR, "inprocess_restart.max_iterations=1", max_restarts=1,
+        env={**ENV, "MBRIDGE_FAULTS": "exception@5:1:always"},
+    )  # fmt: skip
+    assert run.exit_code != 0, tail(run, 80)
+    # Two in-job attempts (new processes), each with one in-process restart: 4 strikes, then ft_launcher stops.
+    assert run.output.count(STRIKE) == 4, tail(run, 80)
+    rank0 = _pids(run.output)[0]
+    assert [i for i, _ in rank0] == [0, 1, 0, 1], rank0
+    assert rank0[0][1] == rank0[1][1] != rank0[2][1] == rank0[3][1]  # in-process: same pid; in-job: a new one
+    assert run.output.count("in-process restart gave up") >= 2

@@ -1,0 +1,163 @@
+"""In-process restart: validation, the mapping of every config field onto the real ``inprocess.Wrapper``, teardown."""
+
+import datetime
+
+import pytest
+
+from megatron.bridge.training.config import ConfigContainer, InProcessRestartConfig
+from megatron.bridge.training.inprocess_restart import RestartIteration, build_wrapper
+from megatron.bridge.training.pretrain import _Teardown
+from megatron.bridge.training.utils.overrides import apply_overrides
+
+inprocess = pytest.importorskip("nvidia_resiliency_ext.inprocess")
+
+ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+@pytest.fixture
+def ipr_env(monkeypatch):
+    for key, value in {**ENV, "MASTER_PORT": "29500", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def _validate(*overrides: str, world_size: int = 2) -> None:
+    apply_overrides(ConfigContainer(), ["inprocess_restart.enabled=true", *overrides]).validate(world_size=world_size)
+
+
+def test_documented_settings_validate(ipr_env):
+    _validate()
+    _validate("inprocess_restart.granularity=rank", "inprocess_restart.active_world_size=1")
+    _validate("inprocess_restart.max_iterations=0", "inprocess_restart.max_rank_faults=0")
+
+
+@pytest.mark.parametrize(
+    "overrides,field_name",
+    [
+        (["inprocess_restart.granularity=gpu"], "inprocess_restart.granularity"),
+        (["inprocess_restart.active_world_size=3"], "inprocess_restart.active_world_size"),
+        (["inprocess_restart.active_world_size=0"], "inprocess_restart.active_world_size"),
+        (["inprocess_restart.max_iterations=-1"], "inprocess_restart.max_iterations"),
+        (["inprocess_restart.max_rank_faults=-1"], "inprocess_restart.max_rank_faults"),
+        (["inprocess_restart.soft_timeout=0"], "inprocess_restart.soft_timeout"),
+        (["inprocess_restart.soft_timeout=95"], "inprocess_restart.soft_timeout"),  # not below hard (90)
+        (["inprocess_restart.hard_timeout=130"], "inprocess_restart.hard_timeout"),  # not below barrier (120)
+        (
+            ["inprocess_restart.completion_timeout=80"],  # hard (90) must be below completion
+            "inprocess_restart.hard_timeout",
+        ),
+        (["inprocess_restart.heartbeat_interval=60"], "inprocess_restart.heartbeat_interval"),
+        (["inprocess_restart.heartbeat_timeout=150"], "inprocess_restart.heartbeat_timeout"),  # above barrier (120)
+        (["inprocess_restart.soft_timeout=0.5", "inprocess_restart.hard_timeout=2"], "inprocess_restart.soft_timeout"),
+        (["dist.distributed_timeout_minutes=1"], "dist.distributed_timeout_minutes"),  # 60 s < hard_timeout 90 s
+        (["train.exit_signal_handler=true"], "train.exit_signal_handler"),
+        (["ft.enable_ft_package=true"], "ft.enable_ft_package"),
+    ],
+)
+def test_invalid_settings_name_the_field_and_the_fix(ipr_env, overrides, field_name):
+    with pytest.raises(ValueError) as err:
+        _validate(*overrides)
+    message = str(err.value)
+    assert message.startswith(field_name + ":") and "Fix:" in message, message
+
+
+def test_missing_environment_is_named_with_the_export_line(ipr_env, monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE")
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "info")
+    with pytest.raises(ValueError) as err:
+        _validate()
+    message = str(err.value)
+    assert message.startswith("inprocess_restart.enabled:"), message
+    assert message.endswith(
+        "Fix: export TORCH_CPP_LOG_LEVEL=error NCCL_NVLS_ENABLE=0 in the job script before launching."
+    ), message
+    assert "TORCH_NCCL_RETHROW_CUDA_ERRORS (" not in message  # set correctly: not reported
+
+
+def _find(composed, cls):
+    """The instance of ``cls`` inside an ``inprocess.Compose`` (or the object itself)."""
+    for part in getattr(composed, "instances", (composed,)):
+        if isinstance(part, cls):
+            return part
+    raise AssertionError(f"no {cls.__name__} in {composed}")
+
+
+def test_every_field_reaches_the_wrapper(ipr_env, tmp_path):
+    cfg = InProcessRestartConfig(
+        enabled=True, active_world_size=3, granularity="node", max_iterations=4, soft_timeout=11.0,
+        hard_timeout=22.0, heartbeat_interval=3.0, heartbeat_timeout=33.0, barrier_timeout=44.0,
+        completion_timeout=55.0, empty_cuda_cache=False, max_rank_faults=2, monitor_process_logdir=str(tmp_path / "m"),
+    )  # fmt: skip
+    wrapper = build_wrapper(cfg, lambda: None, lambda: None)
+    seconds = datetime.timedelta
+    assert (wrapper.soft_timeout, wrapper.hard_timeout) == (seconds(seconds=11), seconds(seconds=22))
+    assert (wrapper.heartbeat_interval, wrapper.heartbeat_timeout) == (seconds(seconds=3), seconds(seconds=33))
+    assert (wrapper.barrier_timeout, wrapper.completion_timeout) == (seconds(seconds=44), seconds(seconds=55))
+    assert wrapper.monitor_process_logfile == str(tmp_path / "m" / "monitor_process_{rank}.log")
+    assert (tmp_path / "m").is_dir()
+    assert wrapper.store_kwargs["port"] == 29502  # MASTER_PORT + 2
+    retry = _find(wrapper.initialize, inprocess.initialize.RetryController)
+    assert retry.max_iterations == 5  # the first run plus max_iterations=4 restarts
+    assert retry.min_world_size == retry.min_active_world_size == 3
+    assert _find(wrapper.health_check, inprocess.health_check.FaultCounter).max_rank_faults == 2
+    root, node = wrapper.rank_assignment.layers
+    assert (root.min_ranks, root.max_ranks) == (3, 3)  # active_world_size: the 4th rank is a reserve
+    assert (node.min_ranks, node.max_ranks) == (2, 2) and callable(node.key_or_fn)  # LOCAL_WORLD_SIZE per host
+
+
+def test_rank_granularity_unlimited_iterations_and_no_logdir(ipr_env):
+    wrapper = build_wrapper(InProcessRestartConfig(enabled=True, granularity="rank"), lambda: None, lambda: None)
+    assert len(wrapper.rank_assignment.layers) == 1
+    assert wrapper.rank_assignment.layers[0].min_ranks == 4  # every rank active (WORLD_SIZE=4)
+    assert _find(wrapper.initialize, inprocess.initialize.RetryController).max_iterations is None
+    assert wrapper.monitor_process_logfile is None
+
+
+def test_finalize_runs_the_iterations_teardown_and_abort_aborts(ipr_env):
+    calls = []
+    restart = RestartIteration(iteration=1)
+    restart.cleanups.append(lambda: calls.append("teardown"))
+    wrapper = build_wrapper(InProcessRestartConfig(enabled=True), lambda: restart, lambda: calls.append("abort"))
+    state = inprocess.State(rank=0, world_size=1)
+    wrapper.finalize(state.freeze())
+    wrapper.abort(state.freeze())
+    assert calls == ["teardown", "abort"]
+
+
+def test_teardown_runs_each_step_once_and_finishes_after_an_interruption():
+    calls = []
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupted():
+        calls.append("b")
+        raise Interrupted
+
+    teardown = _Teardown(lambda: [lambda: calls.append("a"), interrupted, lambda: calls.append("c")])
+    with pytest.raises(Interrupted):
+        teardown()
+    teardown()  # the wrapper's finalize step: only what is left
+    teardown()
+    assert calls == ["a", "b", "c"]
+
+
+def test_cleanups_go_on_after_a_failure():
+    calls = []
+    restart = RestartIteration(iteration=0)
+    restart.cleanups += [lambda: calls.append("first"), lambda: 1 / 0]
+    restart.run_cleanups()  # newest first; the ZeroDivisionError is logged, not raised
+    assert calls == ["first"]
+
+
+@pytest.mark.parametrize("plugin_name", ["FaultTolerancePlugin", "PreemptionPlugin"])
+def test_nemo_run_plugins_refuse_a_task_with_inprocess_restart(plugin_name):
+    run = pytest.importorskip("nemo_run")
+    from megatron.bridge.recipes import run_plugins
+
+    task = run.Script(
+        path="examples/pretrain_tiny_gpt.py", entrypoint="python", args=["inprocess_restart.enabled=true"]
+    )
+    executor = run.LocalExecutor(ntasks_per_node=2)
+    with pytest.raises(ValueError, match="cannot be combined with inprocess_restart.enabled=true"):
+        getattr(run_plugins, plugin_name)().setup(task, executor)
+    assert task.args == ["inprocess_restart.enabled=true"] and executor.launcher is None  # nothing changed
