@@ -23,11 +23,9 @@ def _ids(paths):
 @pytest.mark.parametrize("doc", DOCS, ids=_ids(DOCS))
 def test_python_snippets_build_valid_configs(doc, monkeypatch):
     monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/run/rmon.sock")  # snippets are meant for ft_launcher
-    for name, value in {
-        "TORCH_CPP_LOG_LEVEL": "error",
-        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
-        "NCCL_NVLS_ENABLE": "0",
-    }.items():
+    ipr_env = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+    launcher_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in {**ipr_env, **launcher_env}.items():
         monkeypatch.setenv(name, value)  # and for the environment the in-process restart section exports
     for block in _PY_BLOCK.findall(doc.read_text()):
         cfg = ConfigContainer()

@@ -16,7 +16,8 @@ ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "N
 
 @pytest.fixture
 def ipr_env(monkeypatch):
-    for key, value in {**ENV, "MASTER_PORT": "29500", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+    launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    for key, value in {**ENV, **launcher}.items():
         monkeypatch.setenv(key, value)
 
 
@@ -73,6 +74,23 @@ def test_missing_environment_is_named_with_the_export_line(ipr_env, monkeypatch)
     assert "TORCH_NCCL_RETHROW_CUDA_ERRORS (" not in message  # set correctly: not reported
 
 
+@pytest.mark.parametrize(
+    "unset,field_name",
+    [("MASTER_ADDR", "inprocess_restart.enabled"), ("LOCAL_WORLD_SIZE", "inprocess_restart.granularity")],
+)
+def test_launcher_environment_is_required(ipr_env, monkeypatch, unset, field_name):
+    monkeypatch.delenv(unset)
+    with pytest.raises(ValueError, match=f"^{field_name}:"):
+        _validate()
+
+
+def test_model_and_batch_are_checked_against_the_active_ranks(ipr_env):
+    # 2 ranks, 1 active: tensor parallel 2 does not fit the one rank that trains.
+    with pytest.raises(ValueError, match="^model.tensor_model_parallel_size:"):
+        _validate("inprocess_restart.active_world_size=1", "model.tensor_model_parallel_size=2")
+    _validate("model.tensor_model_parallel_size=2")
+
+
 def _find(composed, cls):
     """The instance of ``cls`` inside an ``inprocess.Compose`` (or the object itself)."""
     for part in getattr(composed, "instances", (composed,)):
@@ -114,13 +132,27 @@ def test_rank_granularity_unlimited_iterations_and_no_logdir(ipr_env):
 
 def test_finalize_runs_the_iterations_teardown_and_abort_aborts(ipr_env):
     calls = []
-    restart = RestartIteration(iteration=1)
-    restart.cleanups.append(lambda: calls.append("teardown"))
-    wrapper = build_wrapper(InProcessRestartConfig(enabled=True), lambda: restart, lambda: calls.append("abort"))
+    wrapper = build_wrapper(
+        InProcessRestartConfig(enabled=True), lambda: calls.append("teardown"), lambda: calls.append("abort")
+    )
     state = inprocess.State(rank=0, world_size=1)
     wrapper.finalize(state.freeze())
     wrapper.abort(state.freeze())
     assert calls == ["teardown", "abort"]
+
+
+@pytest.mark.parametrize("empty_cuda_cache", [True, False])
+def test_finalize_empties_the_cuda_cache_only_when_asked(ipr_env, monkeypatch, empty_cuda_cache):
+    import torch
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # our logic only: no device is touched
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    cfg = InProcessRestartConfig(enabled=True, empty_cuda_cache=empty_cuda_cache)
+    wrapper = build_wrapper(cfg, lambda: None, lambda: None)
+    wrapper.finalize(inprocess.State(rank=0, world_size=1).freeze())
+    assert emptied == ([True] if empty_cuda_cache else [])
 
 
 def test_teardown_runs_each_step_once_and_finishes_after_an_interruption():
@@ -129,16 +161,17 @@ def test_teardown_runs_each_step_once_and_finishes_after_an_interruption():
     class Interrupted(BaseException):
         pass
 
-    def interrupted():
+    def interrupted_the_first_time():
         calls.append("b")
-        raise Interrupted
+        if calls.count("b") == 1:
+            raise Interrupted
 
-    teardown = _Teardown(lambda: [lambda: calls.append("a"), interrupted, lambda: calls.append("c")])
+    teardown = _Teardown(lambda: [lambda: calls.append("a"), interrupted_the_first_time, lambda: calls.append("c")])
     with pytest.raises(Interrupted):
         teardown()
-    teardown()  # the wrapper's finalize step: only what is left
+    teardown()  # the wrapper's finalize step: the interrupted step again, then the rest
     teardown()
-    assert calls == ["a", "b", "c"]
+    assert calls == ["a", "b", "b", "c"]
 
 
 def test_cleanups_go_on_after_a_failure():
@@ -154,10 +187,8 @@ def test_nemo_run_plugins_refuse_a_task_with_inprocess_restart(plugin_name):
     run = pytest.importorskip("nemo_run")
     from megatron.bridge.recipes import run_plugins
 
-    task = run.Script(
-        path="examples/pretrain_tiny_gpt.py", entrypoint="python", args=["inprocess_restart.enabled=true"]
-    )
+    task = run.Script(path="examples/pretrain_tiny_gpt.py", entrypoint="python", args=["inprocess_restart.enabled=on"])
     executor = run.LocalExecutor(ntasks_per_node=2)
     with pytest.raises(ValueError, match="cannot be combined with inprocess_restart.enabled=true"):
         getattr(run_plugins, plugin_name)().setup(task, executor)
-    assert task.args == ["inprocess_restart.enabled=true"] and executor.launcher is None  # nothing changed
+    assert task.args == ["inprocess_restart.enabled=on"] and executor.launcher is None  # nothing changed

@@ -298,8 +298,8 @@ def _reject_inprocess_restart(task: Any, plugin: str) -> None:
     Raises:
         ValueError: ``inprocess_restart.enabled=true`` is among the task's arguments.
     """
-    enabling = ("inprocess_restart.enabled=true", "inprocess_restart.enabled=1")
-    if any(str(arg).strip().lower() in enabling for arg in task.args or []):
+    enabling = {f"inprocess_restart.enabled={v}" for v in ("true", "1", "yes", "on", "y")}  # OmegaConf's spellings
+    if any(str(arg).strip().lower().lstrip("+") in enabling for arg in task.args or []):
         raise ValueError(
             f"{plugin} cannot be combined with inprocess_restart.enabled=true: in-process restart terminates hung "
             "ranks with SIGTERM and restarts inside the processes, which the plugin's launcher and signal handling "

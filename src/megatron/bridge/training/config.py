@@ -234,6 +234,10 @@ class StragglerDetectionConfig:
     """Enable the legacy detector; only ``False`` is accepted (use ``nvrx_straggler.enabled``)."""
 
 
+INPROCESS_STORE_PORT_OFFSET = 2
+"""In-process restart's store listens on ``MASTER_PORT + 2`` (the launcher's store is on ``MASTER_PORT``)."""
+
+
 @dataclass
 class InProcessRestartConfig:
     """In-process restart through nvidia-resiliency-ext's ``inprocess.Wrapper`` (experimental).

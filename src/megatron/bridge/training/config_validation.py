@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from megatron.bridge.training.config import (
+    INPROCESS_STORE_PORT_OFFSET,
     CheckpointConfig,
     ConfigContainer,
     FaultToleranceConfig,
@@ -39,8 +40,11 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    _validate_model(cfg.model, world_size)
-    _validate_train(cfg.train, cfg.model, world_size)
+    training_ranks = world_size  # with in-process restart's warm reserves, only the active ranks train
+    if cfg.inprocess_restart.enabled and 1 <= (cfg.inprocess_restart.active_world_size or 0) <= world_size:
+        training_ranks = cfg.inprocess_restart.active_world_size
+    _validate_model(cfg.model, training_ranks)
+    _validate_train(cfg.train, cfg.model, training_ranks)
     _validate_optimizer(cfg.optimizer, cfg.scheduler, cfg.train)
     _validate_checkpoint(cfg.checkpoint)
     _validate_runtime(cfg)
@@ -389,9 +393,9 @@ def _validate_rerun(cfg: ConfigContainer) -> None:
         )
 
 
-# Must match inprocess_restart.REQUIRED_ENV (kept here so that validation does not import the feature module).
+# The environment in-process restart needs (see docs/training/resiliency.md).
 _INPROCESS_ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
-_INPROCESS_MONITOR_INTERVAL_S = 1.0  # the wrapper's monitor-thread, monitor-process and watchdog intervals
+_INPROCESS_MONITOR_INTERVAL_S = 2.0  # the longest of the wrapper's monitoring intervals (the progress watchdog's)
 
 
 def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int) -> None:
@@ -452,6 +456,21 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int) -> None:
             + " (quiet c10d logs on abort, NCCL errors that do not kill the process, NVLink SHARP off); not set: "
             + ", ".join(f"{k} (is {os.environ.get(k)!r})" for k in missing),
             "export " + " ".join(f"{k}={v}" for k, v in missing.items()) + " in the job script before launching",
+        )
+    if "MASTER_ADDR" not in os.environ or not os.environ.get("MASTER_PORT", "").isdigit():
+        _fail(
+            f"{p}.enabled",
+            "needs MASTER_ADDR and MASTER_PORT (the rendezvous store; the wrapper's store listens on MASTER_PORT + "
+            f"{INPROCESS_STORE_PORT_OFFSET})",
+            "launch with torchrun, python -m megatron.bridge.launch or ft_launcher, or export both",
+        )
+    if int(os.environ["MASTER_PORT"]) + INPROCESS_STORE_PORT_OFFSET > 65535:
+        _fail(f"{p}.enabled", f"MASTER_PORT + {INPROCESS_STORE_PORT_OFFSET} is not a port", "use a lower MASTER_PORT")
+    if ipr.granularity == "node" and not os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        _fail(
+            f"{p}.granularity",
+            '"node" groups ranks by host and needs LOCAL_WORLD_SIZE (ranks per node), which is not set',
+            'launch with torchrun/megatron.bridge.launch/ft_launcher (they set it), or use granularity "rank"',
         )
     if cfg.train.exit_signal_handler:
         _fail(

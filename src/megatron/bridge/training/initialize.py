@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, ConfigContainer
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
 
         apply_cpu_shims()
     backend = cfg.dist.backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = collective_timeout(cfg, backend)
+    timeout = datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if not dist.is_initialized() and store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
@@ -82,7 +82,7 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
-            distributed_timeout_minutes=timeout.total_seconds() / 60,
+            distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
         )
     logger.info(
         "initialized %s on %s: world size %d, tensor parallel %d, data parallel %d",
@@ -93,20 +93,6 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
         parallel_state.get_data_parallel_world_size(),
     )
     return device
-
-
-def collective_timeout(cfg: ConfigContainer, backend: str) -> datetime.timedelta:
-    """How long a collective may wait: ``dist.distributed_timeout_minutes``, except gloo under in-process restart.
-
-    A gloo collective cannot be aborted from another thread, and a failed peer's connections stay open while its
-    aborted iteration is still referenced: the only thing that frees a rank waiting on it is the collective's own
-    timeout. Under in-process restart gloo collectives therefore time out after ``inprocess_restart.soft_timeout``
-    (a healthy collective of a step never takes that long), so the waiting rank joins the restart instead of being
-    terminated at ``hard_timeout``. NCCL communicators are aborted (:func:`abort_distributed`).
-    """
-    if backend == "gloo" and cfg.inprocess_restart.enabled:
-        return datetime.timedelta(seconds=cfg.inprocess_restart.soft_timeout)
-    return datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
 
 
 def set_seeds(seed: int) -> None:
@@ -141,15 +127,22 @@ def init_rerun_state(cfg: ConfigContainer) -> None:
 def abort_distributed() -> None:
     """Abort every process group, so that peers blocked in a collective with this rank fail now (idempotent).
 
-    Destroying a group is not enough with NCCL: its communicators must be aborted. gloo groups have no working
-    abort (their connections close only when the last reference goes); see :func:`collective_timeout`.
+    Destroying a group is not enough: NCCL communicators must be aborted, and gloo groups, which have no working
+    abort, keep their connections open while anything references them; their connections are shut down instead
+    (all but the stores': the launcher's on ``MASTER_PORT``, in-process restart's on ``MASTER_PORT + 2``).
     """
-    if dist.is_initialized():
-        try:
+    # In-process restart's monitor thread may abort while the main thread unwinds: either may find the groups gone.
+    try:
+        if dist.is_initialized():
+            if dist.get_backend() == "gloo":
+                from megatron.bridge.utils.cpu_shims import shutdown_gloo_connections
+
+                port = int(os.environ.get("MASTER_PORT", "0"))
+                shutdown_gloo_connections(keep_ports={port, port + INPROCESS_STORE_PORT_OFFSET})
             dist.distributed_c10d._abort_process_group()
-        except (RuntimeError, ValueError) as err:  # already aborted or destroyed underneath
-            logger.debug("process group abort: %s", err)
-    destroy_distributed()
+        destroy_distributed()
+    except (AssertionError, RuntimeError, ValueError) as err:  # already aborted or destroyed underneath
+        logger.debug("process group abort: %s", err)
 
 
 def destroy_distributed() -> None:

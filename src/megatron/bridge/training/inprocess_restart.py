@@ -37,17 +37,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.config import InProcessRestartConfig
+from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, InProcessRestartConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils.optional_imports import require
 
 logger = logging.getLogger(__name__)
 
-_LAUNCHER_STORE: dict[str, dist.Store] = {}
-"""The rendezvous store of this process, kept for every restart iteration (rank 0 may host it)."""
 
-STORE_PORT_OFFSET = 2
-"""The wrapper's own store listens on ``MASTER_PORT + 2`` (the launcher's store is on ``MASTER_PORT``)."""
+MONITOR_INTERVAL_S = 1.0
+"""The wrapper's monitor-process and monitor-thread interval; the progress watchdog reports every 2 intervals."""
 
 
 @dataclass
@@ -58,6 +56,12 @@ class RestartIteration:
     """0 for the first call, then one more for every in-process restart."""
     ping: Callable[[], None] = lambda: None
     """Tell the progress watchdog this rank made progress (a completed step or save)."""
+    store: Optional[dist.Store] = None
+    """The launcher's rendezvous store, shared by every iteration of this call."""
+    store_prefix: str = ""
+    """Key prefix of this call (a process may call the wrapped function more than once)."""
+    store_timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+    """Timeout of store waits while the process group is built."""
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     """Teardown of what this iteration built; run again by the wrapper's finalize step (each must be idempotent),
     in case the restart interrupted the function's own ``finally``."""
@@ -66,14 +70,11 @@ class RestartIteration:
         """A store for this iteration's default process group: the launcher's store under a fresh prefix.
 
         A restarted iteration must not meet keys the aborted one left behind, so every iteration has its own prefix.
-        The store is the one ``env://`` initialization would use (the launcher's agent store, or one hosted by rank 0),
-        created once per process and kept across iterations. (The wrapper's own store works too, but creating the
-        model-parallel groups on it took ~10 s instead of ~0.1 s.)
+        (The wrapper's own store works too, but creating the model-parallel groups on it took ~10 s, not ~0.1 s.)
         """
-        if "store" not in _LAUNCHER_STORE:
-            store, _, _ = next(dist.rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
-            _LAUNCHER_STORE["store"] = store
-        return dist.PrefixStore(f"mbridge_process_group_{self.iteration}", _LAUNCHER_STORE["store"])
+        store = dist.PrefixStore(f"{self.store_prefix}_iteration{self.iteration}", self.store)
+        store.set_timeout(self.store_timeout)  # a rank waiting on a dead peer here must reach the restart
+        return store
 
     def run_cleanups(self) -> None:
         """Run the registered teardown, newest first; log failures and go on."""
@@ -93,13 +94,21 @@ def wrap(
     calls it from its monitor thread when any rank fails, to free ranks blocked in collectives).
 
     The returned function raises :class:`TrainingExit` with :attr:`ExitCode.INPROCESS_RESTART_EXHAUSTED` when the
-    wrapper gives up (``max_iterations`` used up, too few healthy ranks, or a rank past ``max_rank_faults``).
+    wrapper gives up (``max_iterations`` used up, too few healthy ranks, or a rank past ``max_rank_faults``); a warm
+    reserve that never trained returns :attr:`ExitCode.FINISHED` when the others finish.
     """
     inprocess = require("nvidia_resiliency_ext.inprocess")
     current: dict[str, RestartIteration] = {}
+    calls = [0]
 
-    def run(*args: Any, call_wrapper: Optional[inprocess.CallWrapper] = None, **kwargs: Any) -> Any:
-        restart = RestartIteration(iteration=call_wrapper.iteration, ping=call_wrapper.ping)
+    def run(*args: Any, call_wrapper: Optional[inprocess.CallWrapper] = None, store: Any = None, **kwargs: Any) -> Any:
+        restart = RestartIteration(
+            iteration=call_wrapper.iteration,
+            ping=call_wrapper.ping,
+            store=store,
+            store_prefix=f"mbridge_pg_call{calls[0]}",
+            store_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
+        )
         current["iteration"] = restart
         logger.log(
             logging.WARNING if restart.iteration > 0 else logging.INFO,
@@ -111,15 +120,27 @@ def wrap(
         )
         return fn(*args, restart=restart, **kwargs)
 
-    wrapped = build_wrapper(cfg, lambda: current.get("iteration"), abort_process_groups)(run)
+    def finalize() -> None:
+        restart = current.pop("iteration", None)  # let the aborted iteration's objects go before the next one
+        if restart is not None:
+            restart.run_cleanups()
+
+    wrapped = build_wrapper(cfg, finalize, abort_process_groups)(run)
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        # The store env:// would use, created once per call with the ranks the launcher gave (reserves included),
+        # before the wrapper renumbers ranks: a rank renumbered 0 later must not try to host a second one.
+        store, _, _ = next(dist.rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
         try:
-            return wrapped(*args, **kwargs)
+            result = wrapped(*args, store=store, **kwargs)
         except inprocess.exception.RestartAbort as err:
             raise TrainingExit(ExitCode.INPROCESS_RESTART_EXHAUSTED, _gave_up(cfg, err)) from err
         except inprocess.exception.RestartError as err:
             raise TrainingExit(ExitCode.INPROCESS_RESTART_EXHAUSTED, _gave_up(cfg, err)) from err
+        finally:
+            current.clear()
+        return ExitCode.FINISHED if result is None else result  # None: a reserve rank, never activated
 
     return guarded
 
@@ -134,11 +155,9 @@ def _gave_up(cfg: InProcessRestartConfig, err: BaseException) -> str:
 
 
 def build_wrapper(
-    cfg: InProcessRestartConfig,
-    current: Callable[[], Optional[RestartIteration]],
-    abort_process_groups: Callable[[], None],
+    cfg: InProcessRestartConfig, teardown: Callable[[], None], abort_process_groups: Callable[[], None]
 ) -> Any:
-    """The ``inprocess.Wrapper`` for ``cfg``; ``current()`` gives the running iteration to its finalize step."""
+    """The ``inprocess.Wrapper`` for ``cfg``; its finalize step calls ``teardown()`` (the aborted iteration's)."""
     inprocess = require("nvidia_resiliency_ext.inprocess")
     seconds = datetime.timedelta
 
@@ -153,9 +172,7 @@ def build_wrapper(
         """Finalize: tear down what the aborted iteration built, free memory, before the health check."""
 
         def __call__(self, state: Any) -> Any:
-            restart = current()
-            if restart is not None:
-                restart.run_cleanups()
+            teardown()
             while gc.collect():
                 pass
             if cfg.empty_cuda_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -173,7 +190,10 @@ def build_wrapper(
         log_file = os.path.join(os.path.abspath(cfg.monitor_process_logdir), "monitor_process_{rank}.log")
     master_port = int(os.environ["MASTER_PORT"])
     return inprocess.Wrapper(
-        store_kwargs={"port": master_port + STORE_PORT_OFFSET, "timeout": seconds(seconds=cfg.barrier_timeout)},
+        store_kwargs={
+            "port": master_port + INPROCESS_STORE_PORT_OFFSET,
+            "timeout": seconds(seconds=cfg.barrier_timeout),
+        },
         initialize=inprocess.Compose(
             inprocess.initialize.RetryController(
                 max_iterations=None if cfg.max_iterations is None else cfg.max_iterations + 1,
@@ -191,6 +211,10 @@ def build_wrapper(
         completion=inprocess.nested_restarter.NestedRestarterFinalized(),
         terminate=inprocess.nested_restarter.NestedRestarterAborted(),
         rank_assignment=inprocess.rank_assignment.Tree(layers=_layers(inprocess, cfg, active)),
+        # The monitor process checks the timeouts only after a monitoring interval without any message from its
+        # rank: with the watchdog reporting as often as that (both 1 s by default) the checks were seen to wait ~30 s.
+        monitor_process_interval=seconds(seconds=MONITOR_INTERVAL_S),
+        progress_watchdog_interval=seconds(seconds=2 * MONITOR_INTERVAL_S),
         soft_timeout=seconds(seconds=cfg.soft_timeout),
         hard_timeout=seconds(seconds=cfg.hard_timeout),
         heartbeat_interval=seconds(seconds=cfg.heartbeat_interval),

@@ -95,7 +95,8 @@ def _pretrain(
         return [
             straggler.shutdown,  # first: the detector is process-global, a later pretrain() in this process needs it
             *([metrics.close] if metrics is not None else []),
-            *([checkpoints.close] if checkpoints is not None else []),
+            # A finished run closed it already (waiting for its saves); when unwinding, never commit collectives.
+            *([functools.partial(checkpoints.close, abort=True)] if checkpoints is not None else []),
             ft.shutdown,
             destroy_distributed,
             *([ctx.deadline.cancel] if ctx is not None and ctx.deadline is not None else []),
@@ -175,6 +176,8 @@ def _pretrain(
         abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)
         raise
     finally:
+        # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
+        # restart into this thread. A step the restart interrupts runs again in the wrapper's finalize step.
         teardown()
 
 
@@ -191,14 +194,15 @@ class _Teardown:
     """
 
     def __init__(self, list_steps: Callable[[], list[Callable[[], None]]]) -> None:
-        self._list_steps = list_steps
-        self._steps: Optional[list[Callable[[], None]]] = None
+        self._list_steps: Optional[Callable[[], list[Callable[[], None]]]] = list_steps
+        self._steps: list[Callable[[], None]] = []
 
     def __call__(self) -> None:
-        if self._steps is None:
-            self._steps = self._list_steps()
+        if self._list_steps is not None:
+            self._steps, self._list_steps = self._list_steps(), None  # the closure holds the model: let it go
         while self._steps:
-            self._steps.pop(0)()
+            self._steps[0]()  # removed once done: a step interrupted half-way runs again on the next call
+            self._steps.pop(0)
 
 
 def main(

@@ -219,6 +219,6 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
             ctx.ft.on_checkpoint_start()
             ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
             ctx.ft.on_checkpoint_end()
-            ctx.report_progress()
+            ctx.report_progress()  # a save longer than inprocess_restart.soft_timeout is taken for a hang
         if stop is not None:
             return stop
