@@ -15,7 +15,7 @@ from tests.functional_tests.harness import Run, assert_same_state, checkpoint_st
 
 STRAGGLER = [
     "train.train_iters=150",
-    "checkpoint.save_interval=50",
+    "checkpoint.save_interval=150",  # no save inside a scored window: rank 0's share of a commit slowed it to 0.68 once
     "nvrx_straggler.enabled=true",
     "nvrx_straggler.report_time_interval=1.0",
     "model.hidden_size=128",
