@@ -21,6 +21,13 @@ STRAGGLER = [
     "model.hidden_size=128",
     "model.seq_length=128",
 ]
+# Healthy runs are judged at 0.6, between the lowest healthy score seen in CI on a busy 2-core machine (0.68, always
+# rank 0, which also logs and writes TensorBoard) and the highest score of a rank slowed 2x (0.59); the slowed run
+# keeps the default 0.7.
+HEALTHY_THRESHOLDS = [
+    "nvrx_straggler.gpu_relative_perf_threshold=0.6",
+    "nvrx_straggler.gpu_individual_perf_threshold=0.6",
+]
 _REPORT_RE = re.compile(r"Straggler report at iteration (\d+) \(scores from ([^)]*)\):\n((?:.*\n)*?)Straggler report")
 _SCORE_RE = re.compile(r"Rank=(\d+) Node=\S+ Score=(\S+)")
 
@@ -45,7 +52,7 @@ def reports(run: Run) -> list[tuple[int, str, dict[str, dict[int, float]]]]:
 def healthy(tmp_path_factory) -> tuple[Run, Path, Path]:
     """150 steps with straggler detection and no slowed rank; TensorBoard on."""
     root = tmp_path_factory.mktemp("straggler_healthy")
-    run = torchrun(root / "ckpt", *STRAGGLER, f"logger.tensorboard_dir={root / 'tb'}")
+    run = torchrun(root / "ckpt", *STRAGGLER, *HEALTHY_THRESHOLDS, f"logger.tensorboard_dir={root / 'tb'}")
     assert run.exit_code == 0, tail(run)
     return run, root / "ckpt", root / "tb"
 
@@ -59,7 +66,7 @@ def test_no_rank_is_flagged_without_a_straggler(healthy):
         assert set(blocks) == {"GPU relative performance", "GPU individual performance"}
         for title, scores in blocks.items():
             assert set(scores) == {0, 1}, (iteration, title)
-            assert all(0.7 <= s <= 1.0 for s in scores.values()), (iteration, title, scores)
+            assert all(0.6 <= s <= 1.0 for s in scores.values()), (iteration, title, scores)
     assert "Straggler detected" not in run.output
     assert re.search(r"Straggler report processing time: \d+\.\d{3} sec\.", run.output)
 
