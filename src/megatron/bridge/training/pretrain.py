@@ -155,7 +155,7 @@ def _pretrain(
             signals=signals,
             rerun=rerun,
             start_time=start_time,
-            report_progress=restart.ping if restart is not None else _no_progress_watchdog,
+            **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default
         )
         ft.on_setup_end()
         code, reason = train(ctx)
@@ -179,10 +179,6 @@ def _pretrain(
         # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
         # restart into this thread. A step the restart interrupts runs again in the wrapper's finalize step.
         teardown()
-
-
-def _no_progress_watchdog() -> None:
-    """Progress report when nothing watches progress (no in-process restart)."""
 
 
 class _Teardown:
