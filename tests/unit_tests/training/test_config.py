@@ -137,7 +137,108 @@ INVALID = [
     (["rerun_state_machine.on_rerun_limit=retry"], 1, "rerun_state_machine.on_rerun_limit"),
     (["rerun_state_machine.error_injection_type=cosmic_ray"], 1, "rerun_state_machine.error_injection_type"),
     (["train.exit_signal_deadline=0"], 1, "train.exit_signal_deadline"),
-    (["checkpoint.non_persistent_ckpt_type=local"], 1, "checkpoint.non_persistent_ckpt_type"),
+    (["checkpoint.non_persistent_ckpt_type=local"], 1, "checkpoint.non_persistent_local_ckpt_dir"),
+    (["checkpoint.non_persistent_ckpt_type=global"], 1, "checkpoint.non_persistent_ckpt_type"),
+    (["checkpoint.replication=true"], 1, "checkpoint.replication"),
+    (["checkpoint.replication_factor=4"], 1, "checkpoint.replication_factor"),
+    (
+        [
+            "checkpoint.save=/tmp/g",
+            "checkpoint.load=/tmp/g",
+            "checkpoint.non_persistent_ckpt_type=local",
+            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+            "checkpoint.non_persistent_save_interval=5",
+        ][:4],
+        1,
+        "checkpoint.non_persistent_save_interval",
+    ),
+    (
+        [
+            "checkpoint.save=/tmp/g",
+            "checkpoint.load=/tmp/g",
+            "checkpoint.non_persistent_ckpt_type=local",
+            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+            "checkpoint.non_persistent_save_interval=5",
+        ]
+        + ["checkpoint.non_persistent_save_interval=0"],
+        1,
+        "checkpoint.non_persistent_save_interval",
+    ),
+    (
+        [
+            "checkpoint.save=/tmp/g",
+            "checkpoint.load=/tmp/g",
+            "checkpoint.non_persistent_ckpt_type=local",
+            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+            "checkpoint.non_persistent_save_interval=5",
+        ]
+        + ["checkpoint.non_persistent_local_ckpt_algo=fast"],
+        1,
+        "checkpoint.non_persistent_local_ckpt_algo",
+    ),
+    (
+        [
+            x
+            for x in [
+                "checkpoint.save=/tmp/g",
+                "checkpoint.load=/tmp/g",
+                "checkpoint.non_persistent_ckpt_type=local",
+                "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+                "checkpoint.non_persistent_save_interval=5",
+            ]
+            if not x.startswith("checkpoint.load")
+        ],
+        1,
+        "checkpoint.non_persistent_ckpt_type",
+    ),  # no checkpoint.load: never loaded
+    (
+        [
+            "checkpoint.save=/tmp/g",
+            "checkpoint.load=/tmp/g",
+            "checkpoint.non_persistent_ckpt_type=local",
+            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+            "checkpoint.non_persistent_save_interval=5",
+        ]
+        + ["checkpoint.non_persistent_local_ckpt_dir=/etc/hostname"],
+        1,
+        "checkpoint.non_persistent_local_ckpt_dir",
+    ),
+    (
+        [
+            "checkpoint.save=/tmp/g",
+            "checkpoint.load=/tmp/g",
+            "checkpoint.non_persistent_ckpt_type=local",
+            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+            "checkpoint.non_persistent_save_interval=5",
+        ]
+        + ["checkpoint.replication=true", "checkpoint.replication_jump=1", "checkpoint.replication_factor=3"],
+        4,
+        "checkpoint.replication_factor",
+    ),
+    (
+        [
+            "checkpoint.save=/tmp/g",
+            "checkpoint.load=/tmp/g",
+            "checkpoint.non_persistent_ckpt_type=local",
+            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+            "checkpoint.non_persistent_save_interval=5",
+        ]
+        + ["checkpoint.replication=true", "checkpoint.replication_jump=0"],
+        4,
+        "checkpoint.replication_jump",
+    ),
+    (
+        [
+            "checkpoint.save=/tmp/g",
+            "checkpoint.load=/tmp/g",
+            "checkpoint.non_persistent_ckpt_type=local",
+            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+            "checkpoint.non_persistent_save_interval=5",
+        ]
+        + ["checkpoint.replication=true", "checkpoint.replication_jump=1", "checkpoint.replication_factor=1"],
+        4,
+        "checkpoint.replication_factor",
+    ),
 ]
 
 
@@ -262,3 +363,49 @@ def test_overrides_do_not_mutate_input():
     base = ConfigContainer()
     apply_overrides(base, ["train.train_iters=3"])
     assert base.train.train_iters == 100
+
+
+LOCAL_TIER = [
+    "checkpoint.save=/tmp/g",
+    "checkpoint.load=/tmp/g",
+    "checkpoint.non_persistent_ckpt_type=local",
+    "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+    "checkpoint.non_persistent_save_interval=5",
+]
+
+
+def test_local_tier_with_replication_across_nodes_is_valid(monkeypatch, caplog):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true"])
+    cfg.validate(world_size=4)  # two nodes of two ranks: jump 2 (ranks per node), factor 2
+    assert "replica" not in caplog.text
+
+
+def test_replication_jump_defaults_to_ranks_per_node(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true"])
+    with pytest.raises(ValueError, match="not divisible by replication_jump \\* replication_factor = 4 \\* 2"):
+        cfg.validate(world_size=4)  # one node of four ranks: its replicas would need a second node
+
+
+def test_replication_without_ranks_per_node_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true"])
+    with pytest.raises(ValueError, match="^checkpoint.replication_jump: defaults to ranks per node"):
+        cfg.validate(world_size=2)
+
+
+def test_replicas_on_their_owners_node_warn(monkeypatch, caplog):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = apply_overrides(
+        ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true", "checkpoint.replication_jump=1"]
+    )
+    cfg.validate(world_size=2)
+    assert "kept on their owner's node" in caplog.text
+    assert "single node" in caplog.text
+
+
+def test_local_interval_not_shorter_than_global_warns(caplog):
+    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.save_interval=5"])
+    cfg.validate(world_size=1)
+    assert "a global save replaces the local one" in caplog.text

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training.checkpoint import layout, manifest
+from megatron.bridge.training.checkpoint.local_tier import LocalTier
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.rng import (
@@ -132,6 +133,27 @@ _EXTRA_KEY = "rank_extra"
 """Key of the per-rank extra state inside the per-rank RNG blob."""
 
 
+def _local_tier(cfg: CheckpointConfig) -> Optional[LocalTier]:
+    """The local tier the config asks for, or ``None``."""
+    if cfg.non_persistent_ckpt_type != "local":
+        return None
+    from megatron.core import parallel_state
+
+    replication = None
+    if cfg.replication:
+        jump = cfg.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # validate() checked both
+        replication = (jump, cfg.replication_factor)
+    assert cfg.non_persistent_local_ckpt_dir is not None, "validate() guarantees the local directory"
+    return LocalTier(
+        cfg.non_persistent_local_ckpt_dir,
+        cfg.save or cfg.load,
+        cfg.non_persistent_local_ckpt_algo,
+        replication,
+        cfg.async_save,
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+
+
 def _results_queue_manager_dies_with_parent(parent_pid: int) -> None:
     """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux).
 
@@ -234,6 +256,8 @@ class CheckpointManager:
             from megatron.bridge.utils.cpu_shims import use_persistent_async_worker
 
             self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
+        self.local: Optional[LocalTier] = _local_tier(cfg)
+        """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
 
     # ------------------------------------------------------------------ save
 
@@ -323,8 +347,15 @@ class CheckpointManager:
         self.last_saved_iteration = iteration
         self.last_finalize_seconds = time.perf_counter() - start
 
+    def save_local(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
+        """Save the current state into the local tier (same content as a global checkpoint)."""
+        assert self.local is not None, "validate() guarantees the local tier when a local save is due"
+        self.local.save(_sharded_state_dict(model, optimizer, scheduler, state), state.iteration)
+
     def finalize(self, blocking: bool = False) -> None:
         """Commit a finished async save; with ``blocking``, wait for it. Call on every rank at the same step."""
+        if self.local is not None:
+            self.local.finalize(blocking=blocking)
         if self._queue is None or self._pending is None:
             return
         iteration = self._pending
@@ -344,6 +375,8 @@ class CheckpointManager:
             abort: stop without finalizing (an exception is propagating and other ranks may not be here to join the
                 collectives of a commit); the unfinished save stays a temporary directory that the next start removes.
         """
+        if self.local is not None:
+            self.local.close(abort=abort)
         if self._queue is not None:
             if not abort:
                 self.finalize(blocking=True)
@@ -366,6 +399,8 @@ class CheckpointManager:
         if root is None:
             return None
         candidates = _on_rank0(lambda: self._candidates(root))
+        if self.local is not None and self._load_local(candidates, model, optimizer, scheduler, state):
+            return state.iteration
         if not candidates:
             if self.cfg.exit_on_missing_checkpoint:
                 raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, f"no checkpoint in checkpoint.load={root}")
@@ -393,6 +428,31 @@ class CheckpointManager:
             "restore a good copy or point checkpoint.load elsewhere (mbridge-verify-checkpoint lists the damage)",
         )
 
+    def _load_local(
+        self, candidates: list[int], model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+    ) -> bool:
+        """Load the local tier's newest checkpoint if it is newer than every global one and verifies."""
+        assert self.local is not None
+        local_iteration = self.local.latest_iteration()
+        newest_global = candidates[0] if candidates else -1
+        if local_iteration < 0:
+            logger.info("no complete local checkpoint on the nodes of this job; using the global tier")
+            return False
+        if local_iteration <= newest_global:
+            logger.info(
+                "local checkpoint at iteration %d is not newer than the global one at %d; using the global tier",
+                local_iteration,
+                newest_global,
+            )
+            return False
+        loaded = self.local.load(
+            local_iteration, lambda common: self._state_dict_to_load(common, model, optimizer, scheduler, state)
+        )
+        if loaded is None:
+            return False
+        self._apply(loaded, model, optimizer, scheduler, state)
+        return True
+
     @staticmethod
     def _candidates(root: str) -> list[int]:
         """Committed iterations to try, newest first, none newer than the tracker."""
@@ -419,9 +479,15 @@ class CheckpointManager:
         from megatron.core import dist_checkpointing
 
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+        sharded_sd = self._state_dict_to_load(common, model, optimizer, scheduler, state)
+        self._apply(dist_checkpointing.load(sharded_sd, ckpt_dir), model, optimizer, scheduler, state)
+
+    def _state_dict_to_load(
+        self, common: dict, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+    ) -> dict[str, Any]:
+        """The sharded state dict to load a checkpoint with this ``common`` part into (any tier)."""
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
-        same_world = int(common.get("rng_world_size", _world())) == _world()
-        if not same_world:
+        if int(common.get("rng_world_size", _world())) != _world():
             # Per-rank generator states cannot be mapped onto another world size: keep this run's fresh seeds.
             del sharded_sd["rng_state"]
             logger.warning(
@@ -430,12 +496,16 @@ class CheckpointManager:
                 common.get("rng_world_size"),
                 _world(),
             )
-        loaded = dist_checkpointing.load(sharded_sd, ckpt_dir)
+        return sharded_sd
+
+    def _apply(
+        self, loaded: dict[str, Any], model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+    ) -> None:
         _unwrap(model).load_state_dict(loaded["model"], strict=True)
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
         state.load_state_dict(loaded["train_state"])
-        if same_world:
+        if "rng_state" in loaded:
             blob = rng_state_from_tensor(loaded["rng_state"][0])
             self.loaded_rank_extra = blob.pop(_EXTRA_KEY, None)
             set_rng_state(blob)

@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
+from megatron.bridge.training.checkpoint.validation import validate_checkpoint
 from megatron.bridge.training.config import (
     INPROCESS_STORE_PORT_OFFSET,
-    CheckpointConfig,
     ConfigContainer,
     FaultToleranceConfig,
     ModelConfig,
@@ -23,8 +23,6 @@ from megatron.bridge.training.config import (
 )
 
 logger = logging.getLogger(__name__)
-
-_ENABLE_LATER = "is not supported by this version of megatron.bridge yet; leave it at its default"
 
 
 def _fail(field_name: str, problem: str, fix: str) -> None:
@@ -46,13 +44,12 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     _validate_model(cfg.model, training_ranks)
     _validate_train(cfg.train, cfg.model, training_ranks)
     _validate_optimizer(cfg.optimizer, cfg.scheduler, cfg.train)
-    _validate_checkpoint(cfg.checkpoint)
+    validate_checkpoint(cfg.checkpoint, world_size)
     _validate_runtime(cfg)
     _validate_fault_tolerance(cfg.ft, world_size)
     _validate_straggler(cfg)
     _validate_rerun(cfg)
     _validate_inprocess_restart(cfg, world_size)
-    _validate_not_yet_supported(cfg)
 
 
 def data_parallel_size(model: ModelConfig, world_size: int) -> int:
@@ -182,41 +179,6 @@ def _validate_optimizer(o: OptimizerConfig, s: SchedulerConfig, t: TrainConfig) 
             f"must be in [0, {decay}), got {s.lr_warmup_iters}",
             "make warmup shorter than scheduler.lr_decay_iters (default train.train_iters)",
         )
-
-
-def _validate_checkpoint(c: CheckpointConfig) -> None:
-    if c.ckpt_format != "torch_dist":
-        _fail("checkpoint.ckpt_format", f"unsupported format {c.ckpt_format!r}", 'use "torch_dist"')
-    if c.save_interval is not None and c.save_interval < 1:
-        _fail("checkpoint.save_interval", f"must be >= 1 or None, got {c.save_interval}", "use a positive interval")
-    if c.save_interval is not None and c.save is None:
-        _fail("checkpoint.save_interval", "is set but checkpoint.save is not", "set checkpoint.save to a directory")
-    if c.async_save and c.save is None:
-        _fail("checkpoint.async_save", "is on but checkpoint.save is not set", "set checkpoint.save to a directory")
-    if c.most_recent_k == 0 or c.most_recent_k < -1:
-        _fail(
-            "checkpoint.most_recent_k",
-            f"must be -1 (keep all) or >= 1, got {c.most_recent_k}",
-            "use -1 or a positive count",
-        )
-    if c.exit_on_missing_checkpoint and c.load is None:
-        _fail(
-            "checkpoint.exit_on_missing_checkpoint",
-            "is set but checkpoint.load is not",
-            "set checkpoint.load to the directory to resume from",
-        )
-    local_fields = ("non_persistent_save_interval", "non_persistent_local_ckpt_dir")
-    for name in local_fields:
-        if getattr(c, name) is not None and c.non_persistent_ckpt_type is None:
-            _fail(
-                f"checkpoint.{name}",
-                "is set but checkpoint.non_persistent_ckpt_type is not",
-                "set checkpoint.non_persistent_ckpt_type or remove this field",
-            )
-    if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
-        _fail("checkpoint.save", f"{c.save!r} exists and is not a directory", "point it at a directory")
-    if c.load is not None and os.path.exists(c.load) and not os.path.isdir(c.load):
-        _fail("checkpoint.load", f"{c.load!r} exists and is not a directory", "point it at a checkpoint directory")
 
 
 def _validate_runtime(cfg: ConfigContainer) -> None:
@@ -487,13 +449,3 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int) -> None:
             "set ft.enable_ft_package=false and launch under ft_launcher (--max-restarts) to keep in-job restart as "
             "the fallback when in-process restart gives up",
         )
-
-
-def _validate_not_yet_supported(cfg: ConfigContainer) -> None:
-    """Reject features whose configuration exists but whose runtime this version does not have."""
-    enabled = {
-        "checkpoint.non_persistent_ckpt_type": cfg.checkpoint.non_persistent_ckpt_type is not None,
-    }
-    for name, on in enabled.items():
-        if on:
-            _fail(name, _ENABLE_LATER, f"unset {name}")

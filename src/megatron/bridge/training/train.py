@@ -12,7 +12,8 @@ Order of events in one iteration (features hook in at these moments, with their 
 6. decide whether to stop (end of training, exit signal on any rank, straggler, ``exit_interval``,
    ``exit_duration_in_mins``); on a signal, start the stop deadline; close ``step``; report progress (in-process
    restart's watchdog);
-7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops, and
+7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops, or
+   else a local-tier checkpoint when its interval is reached (a global save is never replaced by a local one), and
    report progress again;
 8. stop with the exit code of the reason.
 """
@@ -190,6 +191,16 @@ def _should_save(ctx: TrainContext, stopping: bool) -> bool:
     return stopping or (ckpt.save_interval is not None and ctx.state.iteration % ckpt.save_interval == 0)
 
 
+def _due_save(ctx: TrainContext, stopping: bool) -> Optional[Callable[..., None]]:
+    """The save to make after this step: global (interval or stop), else local (its interval), else none."""
+    if _should_save(ctx, stopping):
+        return ctx.checkpoints.save
+    interval = ctx.cfg.checkpoint.non_persistent_save_interval
+    if interval is not None and ctx.state.iteration % interval == 0:
+        return ctx.checkpoints.save_local
+    return None
+
+
 def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     """Train until an exit condition holds; return its code and reason. Every rank runs the same sequence."""
     cfg = ctx.cfg
@@ -215,9 +226,10 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
             ctx.deadline = start_stop_deadline(ctx)
         ctx.ft.on_step_end()
         ctx.report_progress()
-        if _should_save(ctx, stopping=stop is not None):
+        save = _due_save(ctx, stopping=stop is not None)
+        if save is not None:
             ctx.ft.on_checkpoint_start()
-            ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
+            save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
             ctx.ft.on_checkpoint_end()
             ctx.report_progress()  # a save longer than inprocess_restart.soft_timeout is taken for a hang
         if stop is not None:

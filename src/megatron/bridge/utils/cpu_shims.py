@@ -4,7 +4,8 @@ megatron-core assumes a GPU in a handful of places that the training loop reache
 model lives on CPU (``use_cpu_initialization=True``) and the process group uses gloo. This module
 patches exactly those places so that a tiny GPT can be trained, checkpointed with
 ``dist_checkpointing`` and resumed bit-identically on a CPU-only machine (tests, CI, laptops). The same goes
-for nvidia-resiliency-ext's straggler ``Detector``: without CUDA it times sections only (no kernel scores).
+for nvidia-resiliency-ext's straggler ``Detector``: without CUDA it times sections only (no kernel scores), and for
+its local checkpoint manager (replica exchange without CUDA staging buffers).
 
 Most shims swap the module-level ``torch`` name of one upstream module for a :class:`_TorchView`:
 it forwards every attribute to the real ``torch`` except that its ``cuda`` attribute answers the
@@ -293,6 +294,41 @@ def _shim_straggler_detector() -> None:
         return
 
 
+def _send_state_dict_on_cpu(self: Any, state_dict: Any, dst: int) -> dict[str, float]:
+    """GroupWrapper.isend_state_dict without its ``.cuda()``: gloo sends CPU tensors."""
+    import torch.distributed as dist
+
+    tensors = state_dict.pop_tensors()
+    self.send_object(state_dict, dst)
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), dst, group=self.group)
+    state_dict.insert_tensors(tensors)
+    return {"data_sent": sum(t.nbytes for t in tensors)}
+
+
+def _recv_state_dict_on_cpu(self: Any, src: int) -> tuple[Any, dict[str, float]]:
+    """GroupWrapper.irecv_state_dict receiving straight into CPU tensors (upstream stages through CUDA)."""
+    import torch.distributed as dist
+
+    hollow = self.recv_object(src)
+    hollow.init_tensors()
+    for tensor in hollow.tensors:
+        dist.recv(tensor, src, group=self.group)
+    return hollow, {"data_recv": sum(t.nbytes for t in hollow.tensors)}
+
+
+def _shim_local_checkpointing() -> None:
+    # MCoreTensorAwareStateDict.to_state_dict (fully_parallel load) calls torch.cuda.synchronize().
+    _install_torch_view("megatron.core.dist_checkpointing.tensor_aware_state_dict")
+    # BaseCheckpointManager.save (async) calls torch.cuda.synchronize() before returning the request.
+    _install_torch_view("nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager")
+    # GroupWrapper.isend_state_dict/irecv_state_dict (replica retrieval) move every tensor through CUDA.
+    group_utils = _import("nvidia_resiliency_ext.checkpointing.local.replication.group_utils")
+    if group_utils is not None:
+        group_utils.GroupWrapper.isend_state_dict = _send_state_dict_on_cpu
+        group_utils.GroupWrapper.irecv_state_dict = _recv_state_dict_on_cpu
+
+
 _SHIMS: dict[str, Callable[[], None]] = {
     "global_memory_buffer": _shim_global_memory_buffer,
     "rng_tracker": _shim_rng_tracker,
@@ -303,6 +339,7 @@ _SHIMS: dict[str, Callable[[], None]] = {
     "dist_checkpointing": _shim_dist_checkpointing,
     "rerun_state_machine": _shim_rerun_state_machine,
     "straggler_detector": _shim_straggler_detector,
+    "local_checkpointing": _shim_local_checkpointing,
 }
 
 
@@ -328,6 +365,15 @@ def use_persistent_async_worker() -> bool:
     waiting forever in ``schedule_async_request``; the forked (temporal) worker inherits them.
     """
     return torch.cuda.is_available()
+
+
+def local_checkpoint_exchange_algo() -> str:
+    """How a ``fully_parallel`` local-checkpoint load exchanges shards between data-parallel ranks.
+
+    On CPU: ``gather_object`` (pickled tensors). megatron-core's ``broadcast`` exchange stages every tensor in a
+    CUDA buffer.
+    """
+    return "broadcast" if torch.cuda.is_available() else "gather_object"
 
 
 def shutdown_gloo_connections(keep_ports: set[int]) -> int:

@@ -1,0 +1,393 @@
+"""The local checkpoint tier: fast node-local saves, optionally replicated to other nodes, verified on every load.
+
+Saves go through nvidia-resiliency-ext's ``LocalCheckpointManager`` (one ``torch.save`` file per rank and
+iteration) with megatron-core's ``MCoreTensorAwareStateDict``; with ``checkpoint.replication`` each rank's file is
+also written on the other members of its replication clique (``CliqueReplicationStrategy``), so a lost node's shards
+can be fetched from a replica after a restart.
+
+Layout on each node (``<dir>`` is ``checkpoint.non_persistent_local_ckpt_dir``)::
+
+    <dir>/local_ckpt/<hostname>/<session>/<rank>/iter_0000120_<owner rank>_local.pt
+
+``<session>`` is derived from ``checkpoint.save``, so jobs sharing a node-local directory never load each other's
+checkpoints. A node scans every rank directory under its session: after a restart that hands ranks to other nodes,
+the files a node holds are still found (upstream looks only in the current rank's directory).
+
+What upstream lacks and this module adds: the owner of each shard hashes its content (every tensor, every object)
+before the shard leaves it, and the hashes travel inside the shard. On load, every rank verifies each shard it reads
+from disk *before* sending it to a peer, and each rank verifies the shard it ends up with again after the exchange.
+If any rank finds a problem, all ranks agree to discard this local checkpoint (its files are deleted) and the caller
+loads the global one; the log names the bad shard and where it was read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import pickle
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+HASHES_ATTR = "mbridge_content_hashes"
+"""Attribute of a saved ``MCoreTensorAwareStateDict`` holding its owner's content hashes (pickled with it)."""
+
+_COMMON = "<common>"
+
+
+def node_root(local_dir: str) -> str:
+    """The directory of this node for local checkpoints under ``checkpoint.non_persistent_local_ckpt_dir``."""
+    return os.path.join(local_dir, "local_ckpt", socket.gethostname())
+
+
+def session_id(save_dir: Optional[str]) -> str:
+    """A name for the job's local checkpoints: a digest of the global save directory's absolute path."""
+    key = os.path.abspath(save_dir) if save_dir else "no-global-save-dir"
+    return "session_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------------- content hashes
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    flat = data.contiguous().reshape(-1)
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy())  # hashlib releases the GIL: threads hash in parallel
+    return digest.hexdigest()
+
+
+def _sharded_items(tasd: Any) -> list[tuple[str, Any]]:
+    """``(name, ShardedTensor or ShardedObject)`` of every item of ``tasd`` that carries data."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    items = []
+    for sh in nested_values(tasd.sharded_state_dict):
+        if isinstance(sh, ShardedTensor) and sh.data is not None:
+            offsets = ",".join(map(str, sh.global_offset))
+            items.append((f"tensor {sh.key}[{offsets}]{'' if sh.flattened_range is None else sh.flattened_range}", sh))
+        elif isinstance(sh, ShardedObject) and sh.data is not None:
+            items.append((f"object {sh.unique_key}", sh))
+    return items
+
+
+def _value_digest(value: Any) -> str:
+    """A digest of plain state (dicts, lists, numbers, strings, tensors) that survives a pickle round trip.
+
+    Pickling the whole structure is not stable: equal values shared by reference before saving are separate objects
+    after loading, and pickle encodes the two cases differently.
+    """
+    digest = hashlib.sha256()
+
+    def feed(obj: Any) -> None:
+        if isinstance(obj, dict):
+            digest.update(b"{")
+            for key, item in obj.items():
+                feed(key)
+                feed(item)
+            digest.update(b"}")
+        elif isinstance(obj, (list, tuple)):
+            digest.update(f"{type(obj).__name__}[".encode())
+            for item in obj:
+                feed(item)
+            digest.update(b"]")
+        elif isinstance(obj, torch.Tensor):
+            digest.update(_tensor_digest(obj).encode())
+        elif isinstance(obj, io.BytesIO):
+            digest.update(obj.getvalue())
+        elif obj is None or isinstance(obj, (str, int, float, bool, bytes)):
+            digest.update(repr(obj).encode())
+        else:
+            digest.update(pickle.dumps(obj, protocol=4))
+        digest.update(b",")
+
+    feed(value)
+    return digest.hexdigest()
+
+
+def content_hashes(tasd: Any) -> dict[str, str]:
+    """SHA-256 of every tensor and object of ``tasd`` and of its common part, by name."""
+    items = _sharded_items(tasd)
+    tensors = [(name, sh.data) for name, sh in items if isinstance(sh.data, torch.Tensor)]
+    hashes = {name: _value_digest(sh.data) for name, sh in items if not isinstance(sh.data, torch.Tensor)}
+    hashes[_COMMON] = _value_digest(tasd.common)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        hashes.update(zip([n for n, _ in tensors], pool.map(_tensor_digest, [t for _, t in tensors])))
+    return hashes
+
+
+def verify_content(tasd: Any) -> list[str]:
+    """Problems of ``tasd`` against the hashes its owner stored in it (empty when it is intact)."""
+    expected = getattr(tasd, HASHES_ATTR, None)
+    if not isinstance(expected, dict):
+        return ["carries no content hashes (not written by this version)"]
+    actual = content_hashes(tasd)
+    problems = [
+        f"{name}: content differs from what its owner saved"
+        for name in actual
+        if name in expected and actual[name] != expected[name]
+    ]
+    problems += [f"{name}: missing" for name in expected if name not in actual]
+    problems += [f"{name}: not in the owner's hash table" for name in actual if name not in expected]
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------- the manager
+
+
+def _manager_class() -> type:
+    """``LocalCheckpointManager`` that finds a node's files in every rank directory of its session."""
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+
+    class NodeLocalCheckpointManager(LocalCheckpointManager):
+        def _session_dir(self) -> Path:
+            return Path(self.root_local_ckpt_dir) / self.session_id
+
+        def _node_files(self, pattern: str) -> list[Path]:
+            session = self._session_dir()
+            return sorted(session.glob(f"*/{pattern}")) if session.is_dir() else []
+
+        def _my_ckpt_ids(self) -> list:
+            import re
+
+            self._ensure_dir()
+            template = re.compile(self._filename_from_template("\\d+", "\\d+", "\\"))
+            ids = {
+                self._filename_to_id(p.name) for p in self._node_files("iter_*_local.pt") if template.fullmatch(p.name)
+            }
+            return sorted(ids)
+
+        def path_of(self, ckpt_id: Any) -> Path:
+            name = self._local_ckpt_path_from_id(ckpt_id).name
+            own = self.local_ckpt_dir / name
+            if own.exists():
+                return own
+            found = self._node_files(name)
+            return found[0] if found else own
+
+        def _load(self, ckpt_id: Any) -> Any:
+            from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
+
+            path = self.path_of(ckpt_id)
+            try:
+                return torch.load(path, weights_only=False)  # nosec: written by this job on this node
+            except FileNotFoundError as err:
+                raise CheckpointingException(f"{path} does not exist") from err
+
+        def _remove(self, keep: Callable[[int], bool]) -> None:
+            for path in self._node_files(self._filename_from_template("*", "*", "*")):
+                if not keep(self._filename_to_id(path.name)[0]):
+                    path.unlink(missing_ok=True)  # ranks of one node clean the same files
+
+        def _cleanup(self, iteration: int) -> None:
+            self._remove(keep=lambda it: it >= iteration)
+
+        def _cleanup_failed_save(self, iteration: int) -> None:
+            self._remove(keep=lambda it: it != iteration)
+
+    return NodeLocalCheckpointManager
+
+
+def _agreed(problems: list[str]) -> list[str]:
+    """Every rank's problems, on every rank."""
+    if not dist.is_initialized():
+        return problems
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    return [p for part in gathered for p in part]
+
+
+class LocalTier:
+    """Saves, finds and loads this job's local checkpoints (every method is called by all ranks together).
+
+    Args:
+        local_dir: ``checkpoint.non_persistent_local_ckpt_dir``.
+        save_dir: ``checkpoint.save`` (names the session).
+        algo: ``checkpoint.non_persistent_local_ckpt_algo``.
+        replication: ``None``, or ``(jump, factor)`` for clique replication.
+        async_save: write files in a forked background process (``checkpoint.async_save``).
+        parallelization_group: the data-parallel group ``fully_parallel`` spreads the work over.
+    """
+
+    def __init__(
+        self,
+        local_dir: str,
+        save_dir: Optional[str],
+        algo: str,
+        replication: Optional[tuple[int, int]],
+        async_save: bool,
+        parallelization_group: Any,
+    ) -> None:
+        strategy = None
+        if replication is not None:
+            from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+
+            strategy = CliqueReplicationStrategy.from_replication_params(*replication)
+        self.root = node_root(local_dir)
+        self.manager = _manager_class()(self.root, session_id=session_id(save_dir), repl_strategy=strategy)
+        self.algo = algo
+        self.group = parallelization_group
+        self._distribution: Any = None  # fully_parallel's work split, computed at the first save
+        self._queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue(persistent=False)  # local checkpoints need the forked worker
+        self._pending: Optional[int] = None
+        self.last_saved_iteration: Optional[int] = None
+        self.last_blocking_seconds = 0.0
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, sharded_state_dict: dict, iteration: int) -> None:
+        """Save ``sharded_state_dict`` as the local checkpoint of ``iteration`` (in the background with async)."""
+        from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+        if self._pending is not None:
+            self.finalize(blocking=True)
+        start = time.perf_counter()
+        tasd, self._distribution = MCoreTensorAwareStateDict.from_state_dict(
+            sharded_state_dict, algo=self.algo, parallelization_group=self.group, cached_metadata=self._distribution
+        )
+        tasd.copy_tensors_to_cpu(non_blocking=False)  # hash what is written; the manager's own copy is then a no-op
+        setattr(tasd, HASHES_ATTR, content_hashes(tasd))
+        request = self.manager.save(tasd, iteration, is_async=self._queue is not None)
+        if self._queue is not None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+            self._queue.schedule_async_request(
+                AsyncRequest(
+                    request.async_fn, request.async_fn_args, [*request.finalize_fns, lambda: self._saved(iteration)]
+                )
+            )
+            self._pending = iteration
+        else:
+            self._saved(iteration)
+        self.last_blocking_seconds = time.perf_counter() - start
+        logger.info(
+            "%s local checkpoint at iteration %d in %s (blocking %.3f s)",
+            "Scheduling async" if self._queue is not None else "saved",
+            iteration,
+            self.manager.local_ckpt_dir,
+            self.last_blocking_seconds,
+        )
+
+    def _saved(self, iteration: int) -> None:
+        self.last_saved_iteration = iteration
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Finish an async save that completed on every rank (wait for it with ``blocking``)."""
+        if self._queue is None or self._pending is None:
+            return
+        if self._queue.maybe_finalize_async_calls(blocking=blocking):
+            logger.info("finalized async local checkpoint at iteration %d", self._pending)
+            self._pending = None
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for an async save (unless ``abort``) and stop the background writer."""
+        if self._queue is not None:
+            if not abort:
+                self.finalize(blocking=True)
+            self._queue.close(abort=abort)
+            self._queue = None
+
+    # ------------------------------------------------------------------ load
+
+    def latest_iteration(self) -> int:
+        """The newest iteration whose shards (own or replicas) are all on some node; -1 if none."""
+        self.manager.latest_iteration = -1
+        return self.manager.find_latest()
+
+    def load(self, iteration: int, build_sharded_state_dict: Callable[[dict], dict]) -> Optional[dict]:
+        """Load, verify and assemble the local checkpoint of ``iteration``; ``None`` (after discarding it) if bad.
+
+        Args:
+            iteration: what :meth:`latest_iteration` returned.
+            build_sharded_state_dict: the sharded state dict to load into, given the checkpoint's common part.
+
+        Returns:
+            The loaded state dict (as ``dist_checkpointing.load`` returns it), or ``None`` when any rank found a
+            problem; then every rank deleted this iteration's local files and the caller should load the global tier.
+        """
+        manager, strategy = self.manager, self.manager.repl_strategy
+        manager.latest_iteration = iteration
+        wanted = manager._ckpt_id(iteration)
+        plan, mine, problems = None, {}, []
+        if strategy is not None:
+            plan = strategy.retrieve_plan(manager.globally_available_ids, [wanted])
+            needed = sorted(plan.required_ids())
+        else:
+            needed = [wanted]
+        for ckpt_id in needed:  # every shard this rank keeps or sends, verified before it leaves this node
+            where = f"rank {ckpt_id[1]}'s shard {manager.path_of(ckpt_id)} on {socket.gethostname()}"
+            try:
+                mine[ckpt_id] = manager._load_fn(ckpt_id)
+            except Exception as err:  # noqa: BLE001 - any unreadable shard makes the tier unusable
+                problems.append(f"{where}: cannot be read ({type(err).__name__}: {err})")
+                continue
+            problems += [f"{where}: {p}" for p in verify_content(mine[ckpt_id])]
+        if self._reject(iteration, _agreed(problems)):
+            return None
+        retrieved = False
+        if plan is not None:
+            received = strategy.retrieve_execute(plan, mine)
+            retrieved = wanted not in mine
+            tasd = received[wanted]
+            where = f"rank {wanted[1]}'s shard as received from a replica by rank {dist.get_rank()}"
+            if self._reject(iteration, _agreed([f"{where}: {p}" for p in verify_content(tasd)] if retrieved else [])):
+                return None
+        else:
+            tasd = mine[wanted]
+        state_dict = tasd.to_state_dict(
+            build_sharded_state_dict(tasd.common_state_dict),
+            algo=self.algo,
+            exchange_algo=_exchange_algo(),
+            parallelization_group=self.group,
+        )
+        counts = _agreed(["replica"] if retrieved else [])
+        logger.info(
+            "loaded verified local checkpoint at iteration %d from %s (%d of %d ranks' shards fetched from replicas)",
+            iteration,
+            self.manager.local_ckpt_dir.parent,
+            len(counts),
+            dist.get_world_size() if dist.is_initialized() else 1,
+        )
+        return state_dict
+
+    def _reject(self, iteration: int, problems: list[str]) -> bool:
+        if not problems:
+            return False
+        logger.error(
+            "local checkpoint at iteration %d failed verification (%d problem(s)): %s; discarding the local tier's "
+            "iteration %d and loading the global checkpoint instead",
+            iteration,
+            len(problems),
+            "; ".join(problems[:8]),
+            iteration,
+        )
+        self.manager._cleanup_failed_save(iteration)
+        self.manager.latest_iteration = -1
+        if dist.is_initialized():
+            dist.barrier()
+        return True
+
+
+def _exchange_algo() -> str:
+    """How ``fully_parallel`` loading exchanges shards: broadcasts on GPU, pickled objects on CPU (see cpu_shims)."""
+    from megatron.bridge.utils.cpu_shims import local_checkpoint_exchange_algo
+
+    return local_checkpoint_exchange_algo()

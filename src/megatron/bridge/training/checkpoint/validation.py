@@ -1,0 +1,165 @@
+"""Checks of the ``checkpoint`` section (global and local tiers), run by ``ConfigContainer.validate()`` at start.
+
+Failures are ``ValueError("<field>: <problem>. Fix: <fix>.")``, like every other config check.
+"""
+
+import logging
+import os
+
+from megatron.bridge.training.config import CheckpointConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _fail(field_name: str, problem: str, fix: str) -> None:
+    raise ValueError(f"{field_name}: {problem}. Fix: {fix}.")
+
+
+def validate_checkpoint(c: CheckpointConfig, world_size: int) -> None:
+    """Check the checkpoint fields and their combinations for a job of ``world_size`` ranks."""
+    _validate_global(c)
+    _validate_local(c, world_size)
+
+
+def _validate_global(c: CheckpointConfig) -> None:
+    if c.ckpt_format != "torch_dist":
+        _fail("checkpoint.ckpt_format", f"unsupported format {c.ckpt_format!r}", 'use "torch_dist"')
+    if c.save_interval is not None and c.save_interval < 1:
+        _fail("checkpoint.save_interval", f"must be >= 1 or None, got {c.save_interval}", "use a positive interval")
+    if c.save_interval is not None and c.save is None:
+        _fail("checkpoint.save_interval", "is set but checkpoint.save is not", "set checkpoint.save to a directory")
+    if c.async_save and c.save is None:
+        _fail("checkpoint.async_save", "is on but checkpoint.save is not set", "set checkpoint.save to a directory")
+    if c.most_recent_k == 0 or c.most_recent_k < -1:
+        _fail(
+            "checkpoint.most_recent_k",
+            f"must be -1 (keep all) or >= 1, got {c.most_recent_k}",
+            "use -1 or a positive count",
+        )
+    if c.exit_on_missing_checkpoint and c.load is None:
+        _fail(
+            "checkpoint.exit_on_missing_checkpoint",
+            "is set but checkpoint.load is not",
+            "set checkpoint.load to the directory to resume from",
+        )
+    local_fields = ("non_persistent_save_interval", "non_persistent_local_ckpt_dir")
+    for name in local_fields:
+        if getattr(c, name) is not None and c.non_persistent_ckpt_type is None:
+            _fail(
+                f"checkpoint.{name}",
+                "is set but checkpoint.non_persistent_ckpt_type is not",
+                "set checkpoint.non_persistent_ckpt_type or remove this field",
+            )
+    if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
+        _fail("checkpoint.save", f"{c.save!r} exists and is not a directory", "point it at a directory")
+    if c.load is not None and os.path.exists(c.load) and not os.path.isdir(c.load):
+        _fail("checkpoint.load", f"{c.load!r} exists and is not a directory", "point it at a checkpoint directory")
+
+
+def _validate_local(c: CheckpointConfig, world_size: int) -> None:
+    """The local tier (``non_persistent_*``) and its replication."""
+    if c.replication and c.non_persistent_ckpt_type != "local":
+        _fail(
+            "checkpoint.replication",
+            "replicates local-tier checkpoints, but there is no local tier",
+            ('set checkpoint.non_persistent_ckpt_type="local" or checkpoint.replication=false'),
+        )
+    for name, default in (("replication_jump", None), ("replication_factor", 2)):
+        if getattr(c, name) != default and not c.replication:
+            _fail(
+                f"checkpoint.{name}",
+                "is set but checkpoint.replication is false",
+                f"set checkpoint.replication=true or leave checkpoint.{name} at its default",
+            )
+    kind = c.non_persistent_ckpt_type
+    if kind is None:
+        return
+    if kind != "local":
+        _fail(
+            "checkpoint.non_persistent_ckpt_type",
+            f"{kind!r} is not supported (only node-local checkpoints are)",
+            'use "local" with checkpoint.non_persistent_local_ckpt_dir, or leave it unset',
+        )
+    if not c.non_persistent_local_ckpt_dir:
+        _fail(
+            "checkpoint.non_persistent_local_ckpt_dir",
+            'is required by non_persistent_ckpt_type="local"',
+            "set it to fast node-local storage (a local SSD or /dev/shm)",
+        )
+    if os.path.exists(c.non_persistent_local_ckpt_dir) and not os.path.isdir(c.non_persistent_local_ckpt_dir):
+        _fail(
+            "checkpoint.non_persistent_local_ckpt_dir",
+            f"{c.non_persistent_local_ckpt_dir!r} is not a directory",
+            "point it at a directory",
+        )
+    if c.non_persistent_save_interval is None or c.non_persistent_save_interval < 1:
+        _fail(
+            "checkpoint.non_persistent_save_interval",
+            f"must be >= 1, got {c.non_persistent_save_interval}",
+            "set how often (in iterations) to save to the local tier",
+        )
+    if c.non_persistent_local_ckpt_algo not in ("fully_parallel", "atomic"):
+        _fail(
+            "checkpoint.non_persistent_local_ckpt_algo",
+            f"unknown algorithm {c.non_persistent_local_ckpt_algo!r}",
+            'use "fully_parallel" or "atomic"',
+        )
+    if c.load is None:
+        _fail(
+            "checkpoint.non_persistent_ckpt_type",
+            "local checkpoints are only loaded from checkpoint.load's job, which is not set",
+            "set checkpoint.load (usually the same directory as checkpoint.save)",
+        )
+    if c.save is None:
+        logger.warning(
+            "checkpoint.save is not set: the local tier is the only one, and a node lost without a replica "
+            "loses the run's progress"
+        )
+    elif c.save_interval is not None and c.save_interval <= c.non_persistent_save_interval:
+        logger.warning(
+            "checkpoint.non_persistent_save_interval=%d is not shorter than checkpoint.save_interval=%d: "
+            "a global save replaces the local one at the same step",
+            c.non_persistent_save_interval,
+            c.save_interval,
+        )
+    if c.replication:
+        _validate_replication(c, world_size)
+
+
+def _validate_replication(c: CheckpointConfig, world_size: int) -> None:
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    jump = c.replication_jump if c.replication_jump is not None else per_node
+    if c.replication_jump is None and per_node < 1:
+        _fail(
+            "checkpoint.replication_jump",
+            "defaults to ranks per node (LOCAL_WORLD_SIZE), which is not set",
+            "launch with torchrun/ft_launcher/megatron.bridge.launch, or set checkpoint.replication_jump",
+        )
+    if jump < 1:
+        _fail("checkpoint.replication_jump", f"must be >= 1, got {jump}", "use the number of ranks per node")
+    if c.replication_factor < 2:
+        _fail(
+            "checkpoint.replication_factor",
+            f"must be >= 2 (copies of each shard), got {c.replication_factor}",
+            "use 2 or more, or checkpoint.replication=false",
+        )
+    if world_size % (jump * c.replication_factor):
+        _fail(
+            "checkpoint.replication_factor",
+            f"world size {world_size} is not divisible by replication_jump * "
+            f"replication_factor = {jump} * {c.replication_factor}",
+            "choose a factor (and jump) that divide the "
+            "world size, e.g. jump = ranks per node and a factor that divides the number of nodes",
+        )
+    if per_node >= 1 and jump < per_node:
+        logger.warning(
+            "checkpoint.replication_jump=%d is smaller than the %d ranks per node: some replicas are "
+            "kept on their owner's node and do not survive its loss",
+            jump,
+            per_node,
+        )
+    if per_node >= 1 and world_size <= per_node:
+        logger.warning(
+            "checkpoint.replication on a single node: every replica is on the same node, so replication "
+            "protects against a lost rank directory but not a lost node"
+        )

@@ -1,0 +1,208 @@
+"""Local checkpoint tier drills: a lost node's shards come back from a replica; a bad local tier falls back to global.
+
+"Two nodes" on one machine: two ft_launcher agents (``--nnodes=2``, one rank each) sharing a c10d rendezvous, each
+with its own node-local directory. A node is lost by SIGKILLing its agent and worker and deleting its directory; a
+replacement agent joins the job, as a spare node would.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+import zipfile
+from pathlib import Path
+
+import pytest
+from tests.functional_tests.harness import (
+    BASE,
+    ENTRY,
+    REPO,
+    Run,
+    assert_same_state,
+    checkpoint_state,
+    free_port,
+    kill_processes_with_marker,
+    tail,
+    torchrun,
+)
+
+# Global saves at 3, 6, 9 (harness BASE); local saves every 2 iterations, so the local tier holds iteration 8 when the
+# drill strikes at the start of iteration 9, newer than the global checkpoint at 6.
+LOCAL = ["checkpoint.non_persistent_ckpt_type=local", "checkpoint.non_persistent_save_interval=2"]
+STRIKE = 9
+
+
+class Job:
+    """Training launched in the background by ``launcher``, its output in a file; killed as a whole."""
+
+    def __init__(self, launcher: list[str], ckpt: Path, overrides: list[str], out: Path, faults: str = "") -> None:
+        self.marker = uuid.uuid4().hex
+        self.out = out
+        cmd = [*launcher, str(ENTRY), f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", *BASE, *LOCAL, *overrides]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": self.marker}
+        env.pop("MBRIDGE_FAULTS", None)
+        if faults:
+            env["MBRIDGE_FAULTS"] = faults
+        self._file = open(out, "w")  # noqa: SIM115 - closed in kill()
+        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert self.proc.poll() is None, (
+                f"job exited ({self.proc.returncode}) before {text!r}:\n{self.output()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output()[-3000:]}"
+            time.sleep(0.5)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -999
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and every process it started (for an agent: the node is gone)."""
+        kill_processes_with_marker(self.marker)
+        self.proc.wait()
+        self._file.close()
+
+
+def _agent(endpoint: str, run_id: str, ckpt: Path, local_dir: Path, out: Path, faults: str = "") -> Job:
+    """One "node": an ft_launcher agent with one training rank and its own node-local directory."""
+    launcher = [
+        str(Path(sys.executable).parent / "ft_launcher"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--max-restarts=3",
+    ]  # fmt: skip
+    overrides = [f"checkpoint.non_persistent_local_ckpt_dir={local_dir}", "checkpoint.replication=true"]
+    return Job(launcher, ckpt, overrides, out, faults)
+
+
+@pytest.fixture(scope="module")
+def two_node_reference(tmp_path_factory) -> tuple[Run, Path]:
+    """The uninterrupted run on the same two-node layout (gloo reduces across "nodes" in another order than
+    within one, so a one-node run is not a bit-exact reference)."""
+    root = tmp_path_factory.mktemp("two_node_reference")
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    a = _agent(endpoint, run_id, root / "ckpt", root / "node_a", root / "a.log")
+    time.sleep(3)
+    b = _agent(endpoint, run_id, root / "ckpt", root / "node_b", root / "b.log")
+    codes = [a.wait(timeout=300), b.wait(timeout=60)]
+    output = a.output() + b.output()
+    assert codes == [0, 0], output[-6000:]
+    return Run(0, output), root / "ckpt"
+
+
+def _lose_a_node(tmp_path: Path, damage_replica: bool) -> tuple[Run, Path]:
+    """Run on two nodes, lose node B after the local save at 8, optionally damage its replica, replace node B."""
+    ckpt, node_a, node_b = tmp_path / "ckpt", tmp_path / "node_a", tmp_path / "node_b"
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    a = _agent(endpoint, run_id, ckpt, node_a, tmp_path / "a.log")
+    agents = [a]
+    try:
+        time.sleep(3)  # node A hosts the rendezvous store: it must outlive node B
+        b = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b.log", faults=f"stall@{STRIKE}:0,stall@{STRIKE}:1")
+        agents.append(b)
+        b.wait_for("fault injection: stall", timeout=240)
+        assert (ckpt / "iter_0000006").is_dir() and not (ckpt / "iter_0000009").exists()
+        b.kill()
+        shutil.rmtree(node_b)
+        assert not any(node_b.parent.glob("node_b/**/*.pt"))
+        if damage_replica:
+            _flip_a_byte_in_the_replica_of_node_b(node_a, b.output())
+        replacement = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b2.log")
+        agents.append(replacement)
+        codes = [a.wait(timeout=300), replacement.wait(timeout=60)]
+    finally:
+        for agent in agents:
+            agent.kill()
+    output = "".join(agent.output() for agent in agents)
+    assert codes == [0, 0], output[-6000:]
+    return Run(0, output), ckpt
+
+
+def _rank_of(output: str) -> int:
+    return 0 if "[rank0]" in output else 1
+
+
+def _flip_a_byte_in_the_replica_of_node_b(node_a: Path, node_b_output: str) -> Path:
+    """Flip one byte inside the largest tensor of node A's copy of node B's shard at iteration 8."""
+    lost_rank = _rank_of(node_b_output)
+    (replica,) = node_a.glob(f"local_ckpt/*/*/*/iter_0000008_{lost_rank}_local.pt")
+    with zipfile.ZipFile(replica) as zf:
+        member = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(replica, "r+b") as f:
+        f.seek(member.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        where = member.header_offset + 30 + name_len + extra_len + member.file_size // 2
+        f.seek(where)
+        byte = f.read(1)[0]
+        f.seek(where)
+        f.write(bytes([byte ^ 0x10]))
+    return replica
+
+
+def test_lost_node_is_recovered_from_its_replica_bit_identically(two_node_reference, tmp_path):
+    reference, reference_ckpt = two_node_reference
+    run, ckpt = _lose_a_node(tmp_path, damage_replica=False)
+    assert "loaded verified local checkpoint at iteration 8" in run.output
+    assert "(1 of 2 ranks' shards fetched from replicas)" in run.output
+    assert "failed verification" not in run.output
+    resumed = {i: loss for i, loss in run.losses().items() if i > 8}
+    assert resumed == {i: reference.losses()[i] for i in range(9, 13)}
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+def test_damaged_replica_is_detected_and_the_global_checkpoint_is_loaded(two_node_reference, tmp_path):
+    reference, reference_ckpt = two_node_reference
+    run, ckpt = _lose_a_node(tmp_path, damage_replica=True)
+    failed = [line for line in run.output.splitlines() if "local checkpoint at iteration 8 failed verification" in line]
+    assert failed, tail(run)
+    assert "_local.pt" in failed[0] and "content differs" in failed[0], failed[0]
+    assert "loaded verified local checkpoint" not in run.output
+    assert "successfully loaded verified checkpoint" in run.output and "at iteration 6" in run.output
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+def test_async_local_saves_resume_and_without_local_files_the_global_tier_is_used(reference_tp1, tmp_path):
+    reference, reference_ckpt = reference_tp1
+    ckpt, local_dir = tmp_path / "ckpt", tmp_path / "local"
+    tier = [f"checkpoint.non_persistent_local_ckpt_dir={local_dir}", "checkpoint.async_save=true"]
+    launcher = [sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    job = Job(launcher, ckpt, tier, tmp_path / "first.log", faults=f"stall@{STRIKE}:0,stall@{STRIKE}:1")
+    try:
+        job.wait_for("fault injection: stall", timeout=240)
+        deadline = time.monotonic() + 60  # the background writers finish the local save of iteration 8
+        while len(list(local_dir.glob("local_ckpt/*/*/*/iter_0000008_*_local.pt"))) < 2:
+            assert time.monotonic() < deadline, sorted(local_dir.rglob("*"))
+            time.sleep(0.2)
+    finally:
+        job.kill()
+    assert "Scheduling async local checkpoint at iteration 8" in job.output()
+    shutil.copytree(ckpt, tmp_path / "ckpt_backup")
+    shutil.copytree(local_dir, tmp_path / "local_backup")
+
+    shutil.rmtree(local_dir)  # every local shard gone: the job resumes from the global tier
+    from_global = torchrun(ckpt, *LOCAL, *tier)
+    assert from_global.exit_code == 0, tail(from_global)
+    assert "no complete local checkpoint" in from_global.output
+    resumed = from_global.losses()  # from 3 or 6: whether the async commit of 6 finished before the stall
+    assert min(resumed) in (4, 7) and resumed == {i: reference.losses()[i] for i in range(min(resumed), 13)}
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+    shutil.rmtree(ckpt)  # back to the interrupted job, its local tier intact
+    shutil.rmtree(local_dir)
+    shutil.copytree(tmp_path / "ckpt_backup", ckpt)
+    shutil.copytree(tmp_path / "local_backup", local_dir)
+    from_local = torchrun(ckpt, *LOCAL, *tier)
+    assert from_local.exit_code == 0, tail(from_local)
+    assert "loaded verified local checkpoint at iteration 8" in from_local.output
+    assert from_local.losses() == {i: reference.losses()[i] for i in range(9, 13)}
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
