@@ -9,12 +9,8 @@ Loading recovers what an interrupted save left behind, verifies the candidate ag
 over ranks) and falls back to the next older checkpoint when verification fails.
 """
 
-import functools
 import logging
-import multiprocessing
-import multiprocessing.managers
 import os
-import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -23,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.checkpoint import layout, manifest
+from megatron.bridge.training.checkpoint import async_writer, layout, manifest
 from megatron.bridge.training.checkpoint.local_tier import LocalTier
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
@@ -154,39 +150,6 @@ def _local_tier(cfg: CheckpointConfig) -> Optional[LocalTier]:
     )
 
 
-def _results_queue_manager_dies_with_parent(parent_pid: int) -> None:
-    """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux).
-
-    It ignores the usual preemption signals: Slurm signals every process of a job step, and a manager that died
-    on them would fail the very save the training process makes before it exits.
-    """
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def _install_writer_results_queue() -> None:
-    """Give megatron-core's checkpoint writers a results queue whose manager process dies with this process.
-
-    Upstream creates it lazily with a plain ``multiprocessing`` manager, which outlives a SIGKILLed rank, keeps
-    its stdout open and leaks one process per rank at every in-job restart.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    sync_manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    sync_manager.start(initializer=_results_queue_manager_dies_with_parent, initargs=(os.getpid(),))
-    filesystem_async._results_queue = sync_manager.Queue()
-
-
 def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
     """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0."""
 
@@ -200,15 +163,6 @@ def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
     for part in _all_gather(share):
         merged.update(part)
     return merged
-
-
-def _write_then_hash(write_fn: Any, ckpt_dir: str, rank: int, *args: Any, **kwargs: Any) -> None:
-    """Background part of an async save: megatron-core's write, then hashing of this rank's shards."""
-    write_fn(*args, **kwargs)
-    try:
-        manifest.hash_rank_shards(ckpt_dir, rank)
-    except Exception:  # noqa: BLE001 - the commit hashes whatever has no partial manifest
-        logging.getLogger(__name__).exception("background hashing failed; the commit will hash these shards")
 
 
 def verify_checkpoint(ckpt_dir: str) -> list[str]:
@@ -249,7 +203,7 @@ class CheckpointManager:
         self._saves = 0
         if cfg.save is not None:
             _on_rank0(lambda: layout.recover(cfg.save))  # leftovers of saves a crash interrupted
-            _install_writer_results_queue()  # start the writers' helper process now, not inside the first save
+            async_writer.install_results_queue()  # start the writers' helper process now, not inside the first save
         if cfg.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -315,7 +269,7 @@ class CheckpointManager:
             what = "saved checkpoint"
         else:
             if request.async_fn is not None:  # None when this rank has nothing to write
-                request = request._replace(async_fn=functools.partial(_write_then_hash, request.async_fn, tmp, _rank()))
+                request = request._replace(async_fn=async_writer.writer(request.async_fn, tmp, _rank(), iteration))
             request.add_finalize_fn(lambda: self._commit(iteration, attempt))
             self._queue.schedule_async_request(request)
             self._pending = iteration

@@ -1,0 +1,39 @@
+"""The async writer's own logic: which writers it takes over, and the report of a writer that runs long."""
+
+import functools
+import logging
+import threading
+
+from megatron.bridge.training.checkpoint import async_writer
+
+
+def test_megatron_core_bucket_writer_is_replaced_and_others_are_kept():
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    upstream = functools.partial(FileSystemWriterAsync.write_preloaded_data_multiproc, [], False)
+    replaced = async_writer._in_process_bucket_writer(upstream)
+    assert replaced.func is async_writer._write_buckets_here and replaced.args == ([], False)
+    assert async_writer._in_process_bucket_writer(print) is None
+
+
+def test_no_buckets_put_an_empty_result_like_upstream():
+    results = []
+
+    class Box:
+        put = results.append
+
+    async_writer._write_buckets_here([], False, 0, [], Box)
+    assert results == [{}]
+
+
+def test_a_long_running_writer_reports_itself_with_its_stack(monkeypatch, caplog, capfd):
+    monkeypatch.setattr(async_writer, "REPORT_SECONDS", 0.2)
+    done = threading.Event()
+    reporter = threading.Thread(target=async_writer._report_while_running, args=(done, 1, 42))
+    with caplog.at_level(logging.WARNING):
+        reporter.start()
+        reporter.join(timeout=0.5)
+        done.set()
+        reporter.join()
+    assert "async checkpoint writer of iteration 42 (rank 1" in caplog.text
+    assert "_report_while_running" in capfd.readouterr().err
