@@ -206,3 +206,22 @@ def test_async_local_saves_resume_and_without_local_files_the_global_tier_is_use
     assert "loaded verified local checkpoint at iteration 8" in from_local.output
     assert from_local.losses() == {i: reference.losses()[i] for i in range(9, 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+def test_nan_right_after_a_local_load_discards_it_and_the_restart_loads_the_global_one(reference_tp1, tmp_path):
+    reference, reference_ckpt = reference_tp1
+    ckpt, local_dir = tmp_path / "ckpt", tmp_path / "local"
+    tier = [*LOCAL, f"checkpoint.non_persistent_local_ckpt_dir={local_dir}"]
+    # The local checkpoint of 8 is intact byte for byte (its hashes match) but its weights are NaN.
+    first = torchrun(ckpt, *tier, env={"MBRIDGE_LOCAL_CKPT_POISON": "8", "MBRIDGE_FAULTS": f"kill@{STRIKE}:1"})
+    assert first.exit_code != 0 and "saved with NaN" in first.output, tail(first)
+    second = torchrun(ckpt, *tier)
+    assert second.exit_code == 23, tail(second)
+    assert "loaded verified local checkpoint at iteration 8" in second.output
+    assert "1 step(s) after loading the local checkpoint of iteration 8" in second.output
+    assert not list(local_dir.rglob("iter_0000008_*_local.pt"))
+    third = torchrun(ckpt, *tier)
+    assert third.exit_code == 0, tail(third)
+    assert "no complete local checkpoint" in third.output
+    assert third.losses() == {i: reference.losses()[i] for i in range(7, 13)}
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))

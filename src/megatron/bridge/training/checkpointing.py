@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
 
+LOCAL_LOAD_SUSPECT_STEPS = 10
+"""A non-finite loss this many steps or fewer after a local-tier load is blamed on the local checkpoint."""
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -212,6 +215,8 @@ class CheckpointManager:
             self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
         self.local: Optional[LocalTier] = _local_tier(cfg)
         """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
+        self.loaded_local_iteration: Optional[int] = None
+        """The iteration of the local-tier checkpoint this run started from (``None``: global tier or none)."""
 
     # ------------------------------------------------------------------ save
 
@@ -405,7 +410,27 @@ class CheckpointManager:
         if loaded is None:
             return False
         self._apply(loaded, model, optimizer, scheduler, state)
+        self.loaded_local_iteration = local_iteration
         return True
+
+    def blame_local_tier(self, iteration: int) -> Optional[str]:
+        """Blame a bad loss at ``iteration`` on the local-tier checkpoint this run started from, if it was recent.
+
+        Called by every rank after a loss that failed validation (NaN/Inf, or a spike the re-run state machine
+        stops on; all ranks agree on it). If this run loaded a local-tier checkpoint at most
+        :data:`LOCAL_LOAD_SUSPECT_STEPS` steps before, that checkpoint is deleted on every node and the reason
+        returned. Bounded by construction: the restarted job finds no such local checkpoint and loads the global one.
+        """
+        loaded = self.loaded_local_iteration
+        if self.local is None or loaded is None or iteration - loaded > LOCAL_LOAD_SUSPECT_STEPS:
+            return None
+        self.local.discard(loaded)
+        self.loaded_local_iteration = None
+        return (
+            f"a bad loss at iteration {iteration}, {iteration - loaded} step(s) after loading the local "
+            f"checkpoint of iteration {loaded}: that checkpoint was deleted on every node; a restart loads the "
+            "global checkpoint"
+        )
 
     @staticmethod
     def _candidates(root: str) -> list[int]:

@@ -51,6 +51,10 @@ class ExitCode(enum.IntEnum):
     past ``max_rank_faults``). Action: restart the job from the newest checkpoint (in-job restart, on other nodes
     if a node was retired)."""
 
+    LOCAL_CHECKPOINT_REJECTED = 23
+    """A non-finite loss within a few steps of loading a local-tier checkpoint: that checkpoint was deleted on every
+    node. Action: restart the job (in-job restart); it loads the global checkpoint."""
+
 
 class TrainingExit(SystemExit):
     """Raised to end training with a specific :class:`ExitCode` after cleanup ran."""

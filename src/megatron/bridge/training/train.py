@@ -6,7 +6,8 @@ Order of events in one iteration (features hook in at these moments, with their 
 2. commit async checkpoint saves that finished on every rank;
 3. forward and backward over the micro-batches (timed by straggler detection), once or, when the re-run state
    machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
-   checkpoint); optimizer and scheduler step;
+   checkpoint; a bad loss soon after a local-tier load stops with 23 instead, that checkpoint deleted); optimizer and
+   scheduler step;
 4. log metrics;
 5. straggler detection: count the step; when a report is due, all ranks score each other (may ask to stop);
 6. decide whether to stop (end of training, exit signal on any rank, straggler, ``exit_interval``,
@@ -214,6 +215,11 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
         with ctx.straggler.step_section():
             metrics, verdict = train_step(ctx, log_this_step)
+        if verdict.skipped or verdict.stop is not None:
+            blamed = ctx.checkpoints.blame_local_tier(ctx.state.iteration + 1)
+            if blamed is not None:  # the state came from a suspect local checkpoint: save nothing of it
+                ctx.ft.on_step_end()
+                return ExitCode.LOCAL_CHECKPOINT_REJECTED, blamed
         if verdict.stop is not None:  # the step was not applied: the iteration stays where it was
             return stop_before_step(ctx, verdict)
         ctx.state.iteration += 1

@@ -32,7 +32,8 @@ def _tasd():
         "opt": {"lr": 1e-3, "style": "cosine", "again": "cosine", "betas": (0.9, 0.95)},
     }
     tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sharded, algo="atomic")
-    setattr(tasd, local_tier.HASHES_ATTR, local_tier.content_hashes(tasd))
+    hashes = {**local_tier.content_hashes(tasd), local_tier._OWNER: local_tier.owner_tag(0, 8)}
+    setattr(tasd, local_tier.HASHES_ATTR, hashes)
     return tasd
 
 
@@ -111,3 +112,11 @@ def test_cleanup_keeps_the_newest_and_a_failed_save_removes_only_its_iteration(t
     ]
     manager._cleanup_failed_save(10)
     assert sorted(p.name for p in tmp_path.rglob("*.pt")) == ["iter_0000008_0_local.pt", "iter_0000008_1_local.pt"]
+
+
+def test_a_shard_of_another_rank_or_iteration_is_refused():
+    tasd = _round_trip(_tasd())
+    assert local_tier.verify_content(tasd, local_tier.owner_tag(0, 8)) == []
+    assert local_tier.verify_content(tasd, local_tier.owner_tag(1, 8)) == [
+        "holds the state of rank 0, iteration 8, not of rank 1, iteration 8"
+    ]

@@ -43,6 +43,7 @@ HASHES_ATTR = "mbridge_content_hashes"
 """Attribute of a saved ``MCoreTensorAwareStateDict`` holding its owner's content hashes (pickled with it)."""
 
 _COMMON = "<common>"
+_OWNER = "<owner>"
 
 
 def node_root(local_dir: str) -> str:
@@ -130,13 +131,27 @@ def content_hashes(tasd: Any) -> dict[str, str]:
     return hashes
 
 
-def verify_content(tasd: Any) -> list[str]:
-    """Problems of ``tasd`` against the hashes its owner stored in it (empty when it is intact)."""
+def owner_tag(rank: int, iteration: int) -> str:
+    """What the hash table records about whose state, of which iteration, a shard is."""
+    return f"rank {rank}, iteration {iteration}"
+
+
+def verify_content(tasd: Any, owner: Optional[str] = None) -> list[str]:
+    """Problems of ``tasd`` against the hashes its owner stored in it (empty when it is intact).
+
+    Args:
+        tasd: a loaded or received shard.
+        owner: :func:`owner_tag` of the shard that was asked for; a shard of another rank or iteration is a problem.
+    """
     expected = getattr(tasd, HASHES_ATTR, None)
     if not isinstance(expected, dict):
         return ["carries no content hashes (not written by this version)"]
+    problems = []
+    if owner is not None and expected.get(_OWNER) != owner:
+        problems.append(f"holds the state of {expected.get(_OWNER)}, not of {owner}")
+    expected = {name: digest for name, digest in expected.items() if name != _OWNER}
     actual = content_hashes(tasd)
-    problems = [
+    problems += [
         f"{name}: content differs from what its owner saved"
         for name in actual
         if name in expected and actual[name] != expected[name]
@@ -226,6 +241,23 @@ def _stage_on_cpu(tasd: Any) -> None:
     tasd.copy_tensors_to_cpu(non_blocking=False)
 
 
+def _poison_for_drills(tasd: Any, iteration: int) -> None:
+    """``MBRIDGE_LOCAL_CKPT_POISON=<iteration>``: save that iteration's local checkpoint with NaN model weights.
+
+    For drills: a local checkpoint whose bytes are intact (its hashes are computed after this) but whose state is
+    bad, as a replica assembled from the wrong pieces would be. In the first attempt of a job only.
+    """
+    spec = os.environ.get("MBRIDGE_LOCAL_CKPT_POISON")
+    if not spec or int(spec) != iteration or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    for name, sh in _sharded_items(tasd):
+        is_weight = isinstance(sh.data, torch.Tensor) and not sh.key.startswith(("optimizer", "rng_state"))
+        if is_weight and sh.data.is_floating_point():
+            sh.data = torch.full_like(sh.data, float("nan"))
+            logger.error("fault injection: local checkpoint of iteration %d saved with NaN in %s", iteration, name)
+            return
+
+
 def _agreed(problems: list[str]) -> list[str]:
     """Every rank's problems, on every rank."""
     if not dist.is_initialized():
@@ -288,7 +320,10 @@ class LocalTier:
             sharded_state_dict, algo=self.algo, parallelization_group=self.group, cached_metadata=self._distribution
         )
         _stage_on_cpu(tasd)
-        setattr(tasd, HASHES_ATTR, content_hashes(tasd))  # of exactly what is written and sent to replicas
+        _poison_for_drills(tasd, iteration)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        hashes = {**content_hashes(tasd), _OWNER: owner_tag(rank, iteration)}
+        setattr(tasd, HASHES_ATTR, hashes)  # of exactly what is written and sent to replicas
         request = self.manager.save(tasd, iteration, is_async=self._queue is not None)
         if self._queue is not None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -363,7 +398,7 @@ class LocalTier:
             except Exception as err:  # noqa: BLE001 - any unreadable shard makes the tier unusable
                 problems.append(f"{where}: cannot be read ({type(err).__name__}: {err})")
                 continue
-            problems += [f"{where}: {p}" for p in verify_content(mine[ckpt_id])]
+            problems += [f"{where}: {p}" for p in verify_content(mine[ckpt_id], owner_tag(ckpt_id[1], iteration))]
         if self._reject(iteration, _agreed(problems)):
             return None
         retrieved = False
@@ -372,7 +407,8 @@ class LocalTier:
             retrieved = wanted not in mine
             tasd = received[wanted]
             where = f"rank {wanted[1]}'s shard as received from a replica by rank {dist.get_rank()}"
-            if self._reject(iteration, _agreed([f"{where}: {p}" for p in verify_content(tasd)] if retrieved else [])):
+            bad = verify_content(tasd, owner_tag(wanted[1], iteration)) if retrieved else []
+            if self._reject(iteration, _agreed([f"{where}: {p}" for p in bad])):
                 return None
         else:
             tasd = mine[wanted]
@@ -392,6 +428,13 @@ class LocalTier:
         )
         return state_dict
 
+    def discard(self, iteration: int) -> None:
+        """Delete the local checkpoint of ``iteration`` on every node (all ranks call this)."""
+        self.manager._cleanup_failed_save(iteration)
+        self.manager.latest_iteration = -1
+        if dist.is_initialized():
+            dist.barrier()
+
     def _reject(self, iteration: int, problems: list[str]) -> bool:
         if not problems:
             return False
@@ -403,10 +446,7 @@ class LocalTier:
             "; ".join(problems[:8]),
             iteration,
         )
-        self.manager._cleanup_failed_save(iteration)
-        self.manager.latest_iteration = -1
-        if dist.is_initialized():
-            dist.barrier()
+        self.discard(iteration)
         return True
 
 
