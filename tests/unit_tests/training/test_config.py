@@ -8,6 +8,14 @@ from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.utils.overrides import apply_overrides
 
 # (overrides, world_size, the field the error must name)
+LOCAL_TIER = [
+    "checkpoint.save=/tmp/g",
+    "checkpoint.load=/tmp/g",
+    "checkpoint.non_persistent_ckpt_type=local",
+    "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
+    "checkpoint.non_persistent_save_interval=5",
+]
+
 INVALID = [
     (["model.tensor_model_parallel_size=0"], 2, "model.tensor_model_parallel_size"),
     (["model.pipeline_model_parallel_size=2"], 2, "model.pipeline_model_parallel_size"),
@@ -142,99 +150,43 @@ INVALID = [
     (["checkpoint.replication=true"], 1, "checkpoint.replication"),
     (["checkpoint.replication_factor=4"], 1, "checkpoint.replication_factor"),
     (
-        [
-            "checkpoint.save=/tmp/g",
-            "checkpoint.load=/tmp/g",
-            "checkpoint.non_persistent_ckpt_type=local",
-            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-            "checkpoint.non_persistent_save_interval=5",
-        ][:4],
+        LOCAL_TIER[:4],
         1,
         "checkpoint.non_persistent_save_interval",
     ),
     (
-        [
-            "checkpoint.save=/tmp/g",
-            "checkpoint.load=/tmp/g",
-            "checkpoint.non_persistent_ckpt_type=local",
-            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-            "checkpoint.non_persistent_save_interval=5",
-        ]
-        + ["checkpoint.non_persistent_save_interval=0"],
+        [*LOCAL_TIER] + ["checkpoint.non_persistent_save_interval=0"],
         1,
         "checkpoint.non_persistent_save_interval",
     ),
     (
-        [
-            "checkpoint.save=/tmp/g",
-            "checkpoint.load=/tmp/g",
-            "checkpoint.non_persistent_ckpt_type=local",
-            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-            "checkpoint.non_persistent_save_interval=5",
-        ]
-        + ["checkpoint.non_persistent_local_ckpt_algo=fast"],
+        [*LOCAL_TIER] + ["checkpoint.non_persistent_local_ckpt_algo=fast"],
         1,
         "checkpoint.non_persistent_local_ckpt_algo",
     ),
     (
-        [
-            x
-            for x in [
-                "checkpoint.save=/tmp/g",
-                "checkpoint.load=/tmp/g",
-                "checkpoint.non_persistent_ckpt_type=local",
-                "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-                "checkpoint.non_persistent_save_interval=5",
-            ]
-            if not x.startswith("checkpoint.load")
-        ],
+        [x for x in LOCAL_TIER if not x.startswith("checkpoint.load")],
         1,
         "checkpoint.non_persistent_ckpt_type",
     ),  # no checkpoint.load: never loaded
     (
-        [
-            "checkpoint.save=/tmp/g",
-            "checkpoint.load=/tmp/g",
-            "checkpoint.non_persistent_ckpt_type=local",
-            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-            "checkpoint.non_persistent_save_interval=5",
-        ]
-        + ["checkpoint.non_persistent_local_ckpt_dir=/etc/hostname"],
+        [*LOCAL_TIER] + ["checkpoint.non_persistent_local_ckpt_dir=/etc/hostname"],
         1,
         "checkpoint.non_persistent_local_ckpt_dir",
     ),
     (
-        [
-            "checkpoint.save=/tmp/g",
-            "checkpoint.load=/tmp/g",
-            "checkpoint.non_persistent_ckpt_type=local",
-            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-            "checkpoint.non_persistent_save_interval=5",
-        ]
+        [*LOCAL_TIER]
         + ["checkpoint.replication=true", "checkpoint.replication_jump=1", "checkpoint.replication_factor=3"],
         4,
         "checkpoint.replication_factor",
     ),
     (
-        [
-            "checkpoint.save=/tmp/g",
-            "checkpoint.load=/tmp/g",
-            "checkpoint.non_persistent_ckpt_type=local",
-            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-            "checkpoint.non_persistent_save_interval=5",
-        ]
-        + ["checkpoint.replication=true", "checkpoint.replication_jump=0"],
+        [*LOCAL_TIER] + ["checkpoint.replication=true", "checkpoint.replication_jump=0"],
         4,
         "checkpoint.replication_jump",
     ),
     (
-        [
-            "checkpoint.save=/tmp/g",
-            "checkpoint.load=/tmp/g",
-            "checkpoint.non_persistent_ckpt_type=local",
-            "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-            "checkpoint.non_persistent_save_interval=5",
-        ]
+        [*LOCAL_TIER]
         + ["checkpoint.replication=true", "checkpoint.replication_jump=1", "checkpoint.replication_factor=1"],
         4,
         "checkpoint.replication_factor",
@@ -363,15 +315,6 @@ def test_overrides_do_not_mutate_input():
     base = ConfigContainer()
     apply_overrides(base, ["train.train_iters=3"])
     assert base.train.train_iters == 100
-
-
-LOCAL_TIER = [
-    "checkpoint.save=/tmp/g",
-    "checkpoint.load=/tmp/g",
-    "checkpoint.non_persistent_ckpt_type=local",
-    "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-    "checkpoint.non_persistent_save_interval=5",
-]
 
 
 def test_local_tier_with_replication_across_nodes_is_valid(monkeypatch, caplog):
