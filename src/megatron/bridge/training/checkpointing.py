@@ -150,6 +150,10 @@ def _local_tier(cfg: CheckpointConfig) -> Optional[LocalTier]:
         replication,
         cfg.async_save,
         parallel_state.get_data_parallel_group(with_context_parallel=True),
+        layout=(
+            f"world size {_world()}, tensor parallel {parallel_state.get_tensor_model_parallel_world_size()}, "
+            f"pipeline parallel {parallel_state.get_pipeline_model_parallel_world_size()}"
+        ),
     )
 
 

@@ -120,3 +120,13 @@ def test_a_shard_of_another_rank_or_iteration_is_refused():
     assert local_tier.verify_content(tasd, local_tier.owner_tag(1, 8)) == [
         "holds the state of rank 0, iteration 8, not of rank 1, iteration 8"
     ]
+
+
+def test_a_shard_saved_under_another_parallel_layout_is_refused():
+    tasd = _tasd()
+    hashes = getattr(tasd, local_tier.HASHES_ATTR)
+    hashes[local_tier._OWNER] = local_tier.owner_tag(0, 8, "world size 2, tensor parallel 1")
+    assert local_tier.verify_content(tasd, local_tier.owner_tag(0, 8, "world size 2, tensor parallel 2")) == [
+        "holds the state of rank 0, iteration 8, world size 2, tensor parallel 1, "
+        "not of rank 0, iteration 8, world size 2, tensor parallel 2"
+    ]

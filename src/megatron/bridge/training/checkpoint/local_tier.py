@@ -131,9 +131,9 @@ def content_hashes(tasd: Any) -> dict[str, str]:
     return hashes
 
 
-def owner_tag(rank: int, iteration: int) -> str:
-    """What the hash table records about whose state, of which iteration, a shard is."""
-    return f"rank {rank}, iteration {iteration}"
+def owner_tag(rank: int, iteration: int, layout: str = "") -> str:
+    """What the hash table records about a shard: whose state, of which iteration, under which parallel layout."""
+    return f"rank {rank}, iteration {iteration}" + (f", {layout}" if layout else "")
 
 
 def verify_content(tasd: Any, owner: Optional[str] = None) -> list[str]:
@@ -277,6 +277,8 @@ class LocalTier:
         replication: ``None``, or ``(jump, factor)`` for clique replication.
         async_save: write files in a forked background process (``checkpoint.async_save``).
         parallelization_group: the data-parallel group ``fully_parallel`` spreads the work over.
+        layout: the job's parallel layout (world size, model parallel sizes); a checkpoint saved under another one
+            is not loaded from this tier (the global tier can reshard).
     """
 
     def __init__(
@@ -287,7 +289,9 @@ class LocalTier:
         replication: Optional[tuple[int, int]],
         async_save: bool,
         parallelization_group: Any,
+        layout: str = "",
     ) -> None:
+        self.layout = layout
         strategy = None
         if replication is not None:
             from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
@@ -322,7 +326,7 @@ class LocalTier:
         _stage_on_cpu(tasd)
         _poison_for_drills(tasd, iteration)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        hashes = {**content_hashes(tasd), _OWNER: owner_tag(rank, iteration)}
+        hashes = {**content_hashes(tasd), _OWNER: owner_tag(rank, iteration, self.layout)}
         setattr(tasd, HASHES_ATTR, hashes)  # of exactly what is written and sent to replicas
         request = self.manager.save(tasd, iteration, is_async=self._queue is not None)
         if self._queue is not None:
@@ -398,7 +402,9 @@ class LocalTier:
             except Exception as err:  # noqa: BLE001 - any unreadable shard makes the tier unusable
                 problems.append(f"{where}: cannot be read ({type(err).__name__}: {err})")
                 continue
-            problems += [f"{where}: {p}" for p in verify_content(mine[ckpt_id], owner_tag(ckpt_id[1], iteration))]
+            problems += [
+                f"{where}: {p}" for p in verify_content(mine[ckpt_id], owner_tag(ckpt_id[1], iteration, self.layout))
+            ]
         if self._reject(iteration, _agreed(problems)):
             return None
         retrieved = False
@@ -407,7 +413,7 @@ class LocalTier:
             retrieved = wanted not in mine
             tasd = received[wanted]
             where = f"rank {wanted[1]}'s shard as received from a replica by rank {dist.get_rank()}"
-            bad = verify_content(tasd, owner_tag(wanted[1], iteration)) if retrieved else []
+            bad = verify_content(tasd, owner_tag(wanted[1], iteration, self.layout)) if retrieved else []
             if self._reject(iteration, _agreed([f"{where}: {p}" for p in bad])):
                 return None
         else:
