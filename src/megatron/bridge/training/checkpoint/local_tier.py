@@ -228,16 +228,26 @@ def _manager_class() -> type:
     return NodeLocalCheckpointManager
 
 
-def _stage_on_cpu(tasd: Any) -> None:
-    """Give the manager host copies of the tensors to write: GPU tensors are copied, CPU tensors are used as they are.
+def _prepare_tensors(tasd: Any, replicating: bool) -> None:
+    """Put the tensors where the manager needs them, without copies it does not need.
 
-    A CPU tensor needs no copy: a synchronous save finishes before training changes it, and the async writer is a
-    forked process that sees memory as it was at the fork. Marking it with the ``orig_device`` attribute that
-    megatron-core's ``copy_tensors_to_cpu`` uses for staged tensors keeps the manager from cloning it again.
+    Replicating over NCCL: the exchange broadcasts every tensor over the process group, which needs device tensors,
+    so the few host tensors (the RNG row) go to the device; the exchange stages this rank's own shard on the host.
+    Otherwise every tensor is copied to the host here, blocking: the manager's own copy is non-blocking and a
+    synchronous save writes right after it. A CPU tensor needs no copy (a synchronous save finishes before training
+    changes it, and the async writer is a forked process that sees memory as it was at the fork); the
+    ``orig_device`` attribute that megatron-core's ``copy_tensors_to_cpu`` uses for staged tensors marks it so.
     """
     for _, sh in _sharded_items(tasd):
         if isinstance(sh.data, torch.Tensor) and sh.data.device.type == "cpu":
             sh.orig_device = "cpu"
+    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend())  # may read "cpu:gloo,cuda:nccl"
+    if nccl and replicating:
+        for _, sh in _sharded_items(tasd):
+            if getattr(sh, "orig_device", None) == "cpu":
+                sh.data = sh.data.to(torch.cuda.current_device())
+                del sh.orig_device
+        return
     tasd.copy_tensors_to_cpu(non_blocking=False)
 
 
@@ -323,7 +333,7 @@ class LocalTier:
         tasd, self._distribution = MCoreTensorAwareStateDict.from_state_dict(
             sharded_state_dict, algo=self.algo, parallelization_group=self.group, cached_metadata=self._distribution
         )
-        _stage_on_cpu(tasd)
+        _prepare_tensors(tasd, replicating=self.manager.repl_strategy is not None)
         _poison_for_drills(tasd, iteration)
         rank = dist.get_rank() if dist.is_initialized() else 0
         hashes = {**content_hashes(tasd), _OWNER: owner_tag(rank, iteration, self.layout)}
