@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.bridge.training.checkpoint import async_writer, layout, manifest
 from megatron.bridge.training.checkpoint.local_tier import LocalTier
+from megatron.bridge.training.checkpoint.resume import resolve_resume_path
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.rng import (
@@ -221,6 +222,8 @@ class CheckpointManager:
         """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
         self.loaded_local_iteration: Optional[int] = None
         """The iteration of the local-tier checkpoint this run started from (``None``: global tier or none)."""
+        self.resumed: dict[str, Any] = {"tier": None, "iteration": None, "directory": None, "why": "not loaded yet"}
+        """What :meth:`load` resumed from: tier (``"global"``, ``"local"`` or ``None``), iteration, directory, why."""
 
     # ------------------------------------------------------------------ save
 
@@ -349,25 +352,34 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
 
     def load(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> Optional[int]:
-        """Load the newest valid checkpoint of ``cfg.load`` into the given objects; return its iteration.
+        """Load the newest valid checkpoint into the given objects; return its iteration.
 
-        Returns ``None`` (train from scratch) when there is no ``load`` dir or it holds no checkpoint at all,
-        unless ``exit_on_missing_checkpoint`` is set.
+        The directory is chosen by :func:`resolve_resume_path` (``cfg.load`` if it holds checkpoints, else
+        ``cfg.save``); :attr:`resumed` records the choice. Returns ``None`` (train from scratch) when neither holds
+        a checkpoint, unless ``exit_on_missing_checkpoint`` is set.
 
         Raises:
             TrainingExit: ``NO_VALID_CHECKPOINT`` when checkpoints exist but none verifies, or none exists and
                 ``exit_on_missing_checkpoint`` is set.
         """
-        root = self.cfg.load
+        source = _on_rank0(lambda: resolve_resume_path(self.cfg.load, self.cfg.save))
+        root = source.directory
+        self.resumed = {"tier": None, "iteration": None, "directory": None, "why": source.reason}
         if root is None:
             return None
         candidates = _on_rank0(lambda: self._candidates(root))
         if self.local is not None and self._load_local(candidates, model, optimizer, scheduler, state):
+            self.resumed = {
+                "tier": "local",
+                "iteration": state.iteration,
+                "directory": self.cfg.non_persistent_local_ckpt_dir,
+                "why": f"the local checkpoint is newer than the global ones of {root} and verified",
+            }
             return state.iteration
         if not candidates:
             if self.cfg.exit_on_missing_checkpoint:
-                raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, f"no checkpoint in checkpoint.load={root}")
-            logger.warning("no checkpoint found in checkpoint.load=%s; training starts at iteration 0", root)
+                raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, f"no checkpoint in {source.field}={root}")
+            logger.warning("no checkpoint found in %s=%s; training starts at iteration 0", source.field, root)
             return None
         for iteration in candidates:
             ckpt_dir = layout.iter_dir(root, iteration)
@@ -381,13 +393,16 @@ class CheckpointManager:
                 )
                 continue
             self._load_dir(ckpt_dir, model, optimizer, scheduler, state)
+            why = f"newest verified checkpoint in {source.field}"
             if iteration != candidates[0]:
                 logger.warning("fell back to checkpoint at iteration %d (newest was %d)", iteration, candidates[0])
+                why += f" (newer {[c for c in candidates if c > iteration]} failed verification)"
+            self.resumed = {"tier": "global", "iteration": iteration, "directory": ckpt_dir, "why": why}
             logger.info("successfully loaded verified checkpoint %s at iteration %d", ckpt_dir, state.iteration)
             return iteration
         raise TrainingExit(
             ExitCode.NO_VALID_CHECKPOINT,
-            f"none of the checkpoints {candidates} in checkpoint.load={root} passed verification; "
+            f"none of the checkpoints {candidates} in {source.field}={root} passed verification; "
             "restore a good copy or point checkpoint.load elsewhere (mbridge-verify-checkpoint lists the damage)",
         )
 
