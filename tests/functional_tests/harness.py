@@ -116,6 +116,58 @@ def launch(launcher: list[str], ckpt_dir: Path, *overrides: str, env: dict | Non
     return Run(returncode, output)
 
 
+@dataclass
+class RankRuns:
+    """Outcome of ranks started without a launcher: each rank's exit code and output."""
+
+    exit_codes: list[int]
+    outputs: list[str]
+
+
+def without_launcher(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300) -> RankRuns:
+    """Start 2 ranks as separate processes with the torch.distributed environment, and no agent watching them.
+
+    This is how ``srun --kill-on-bad-exit=0`` runs a job step: a rank that dies takes no other rank with it, so a
+    survivor's own handling of the loss can be observed. Rank 0 hosts the rendezvous store.
+    """
+    import time
+
+    port = free_port()
+    marker = uuid.uuid4().hex
+    cmd = [sys.executable, str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides]
+    procs, files = [], []
+    start = time.monotonic()
+    for rank in range(2):
+        rank_env = {
+            **os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2", **(env or {}),
+        }  # fmt: skip
+        out = tempfile.TemporaryFile(mode="w+")
+        files.append(out)
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=REPO))
+    codes = []
+    try:
+        for proc in procs:
+            remaining = max(1.0, timeout - (time.monotonic() - start))
+            try:
+                codes.append(proc.wait(timeout=remaining))
+            except subprocess.TimeoutExpired:
+                codes.append(-999)
+    finally:
+        kill_processes_with_marker(marker)
+        for proc in procs:
+            proc.wait()
+    outputs = []
+    for out in files:
+        out.seek(0)
+        outputs.append(out.read())
+        out.close()
+    if -999 in codes:
+        raise AssertionError(f"a rank did not finish within {timeout} s:\n" + "\n".join(o[-3000:] for o in outputs))
+    return RankRuns(codes, outputs)
+
+
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(obj, dict):
         out = {}
@@ -153,6 +205,14 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(va, vb), f"{key} differs"
         else:
             assert va == vb, f"{key}: {va!r} != {vb!r}"
+
+
+def log_time(output: str, needle: str) -> float:
+    """Seconds since the epoch of the first log line containing ``needle`` (the logger's own timestamp)."""
+    import datetime
+
+    line = next(x for x in output.splitlines() if needle in x)
+    return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def tail(run: Run, lines: int = 60) -> str:

@@ -101,6 +101,21 @@ def _assert_preempted_resumed_identical(tmp_path: Path, reference: Path, env: di
         assert f"successfully loaded verified checkpoint {ckpt}/iter_{k:07d} at iteration {k}" in logs, logs[-3000:]
     assert f"training stopped at iteration {ITERS}: reached train.train_iters={ITERS}" in logs
     assert_same_state(checkpoint_state(ckpt / f"iter_{ITERS:07d}"), checkpoint_state(reference))
+    _assert_job_info(ckpt, logs, attempts=len(states))
+
+
+def _assert_job_info(ckpt: Path, logs: str, attempts: int) -> None:
+    """Every start recorded the Slurm job and its requeue count; the log block shows them."""
+    records = [json.loads(line) for line in (ckpt / "job_info.jsonl").read_text().splitlines()]
+    assert len(records) == attempts, records
+    job_ids = {r["slurm"]["job_id"] for r in records}
+    assert len(job_ids) == 1, "a requeued job keeps its id"
+    assert all(r["slurm"]["nodelist"] and r["launcher"] == "ft_launcher" for r in records), records
+    requeues = [r["restarts"]["requeue"] for r in records]
+    assert requeues == list(range(attempts)), requeues
+    assert [r["resumed"]["tier"] for r in records][1:] == ["global"] * (attempts - 1), records
+    assert f"slurm: job_id={job_ids.pop()}" in logs
+    assert f"restarts: in-job 0, in-process 0, requeue {attempts - 1}" in logs
 
 
 def test_time_limit_signal_saves_requeues_and_resumes(cluster, reference, tmp_path):

@@ -63,6 +63,9 @@ def test_stalled_rank_times_out_softly_and_restarts_in_process(reference_tp1, tm
     assert "fault injection: stall at iteration 5" in run.output
     assert "Interruption.SOFT_TIMEOUT" in run.output, tail(run, 80)  # no exception anywhere: the watchdog saw it
     assert "HARD_TIMEOUT" not in run.output
+    # Hang attribution: the stalled rank wrote its stack before the soft timeout; the next iteration sums it up.
+    summary = [x for x in run.output.splitlines() if "[rank0]" in x and "[attribution] attempt_0_0_0:" in x]
+    assert len(summary) == 1 and "rank 1 in stall_forever (fault_injection.py:" in summary[0], tail(run, 80)
     starts = _pids(run.output)
     for rank in (0, 1):
         assert [i for i, _ in starts[rank]] == [0, 1] and len({pid for _, pid in starts[rank]}) == 1, starts

@@ -191,6 +191,10 @@ INVALID = [
         4,
         "checkpoint.replication_factor",
     ),
+    (["health.liveness_ping_interval=-1"], 2, "health.liveness_ping_interval"),
+    (["health.liveness_ping_interval=5", "health.liveness_ping_timeout=0"], 2, "health.liveness_ping_timeout"),
+    (["health.liveness_ping_interval=5", "health.liveness_ping_timeout=600"], 2, "health.liveness_ping_timeout"),
+    (["health.stack_dump_after=-1"], 2, "health.stack_dump_after"),
 ]
 
 
@@ -352,3 +356,22 @@ def test_local_interval_not_shorter_than_global_warns(caplog):
     cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.save_interval=5"])
     cfg.validate(world_size=1)
     assert "a global save replaces the local one" in caplog.text
+
+
+def test_liveness_ping_with_inprocess_restart_is_rejected(monkeypatch):
+    for name, value in {
+        "TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    base = ["inprocess_restart.enabled=true"]
+    apply_overrides(ConfigContainer(), base).validate(world_size=2)  # valid on its own
+    cfg = apply_overrides(ConfigContainer(), [*base, "health.liveness_ping_interval=5"])
+    with pytest.raises(ValueError, match=r"^health.liveness_ping_interval: .*in-process restart.*Fix:"):
+        cfg.validate(world_size=2)
+
+
+def test_liveness_ping_settings_validate():
+    cfg = apply_overrides(ConfigContainer(), ["health.liveness_ping_interval=5", "health.liveness_ping_timeout=10"])
+    cfg.validate(world_size=2)
+    assert cfg.health.liveness_ping_interval == 5 and cfg.health.liveness_ping_timeout == 10.0

@@ -314,6 +314,24 @@ class RerunStateMachineConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Liveness ping, device health checks and hang attribution (stacks of a stuck rank written before it is killed)."""
+
+    liveness_ping_interval: int = 0
+    """Every this many steps, all ranks join a one-element all-reduce on a side group with a real timeout, so that a
+    dead or stuck peer is reported by rank (after at most ``liveness_ping_timeout`` seconds, exit 24) instead of the
+    next large collective waiting for ``dist.distributed_timeout_minutes``. 0 turns it off."""
+    liveness_ping_timeout: float = 60.0
+    """Seconds the liveness ping waits for every rank; keep it above the longest step-to-step skew between ranks
+    (a save on one rank delays its next ping)."""
+    stack_dump_after: Optional[float] = None
+    """Seconds a step or a save may stay open before this rank writes every thread's Python stack to its attribution
+    file (``<checkpoint.save>/attribution/<attempt>/rank<N>.stacks``), so a hang leaves a record of where each rank
+    was before a timeout kills it. ``None``: half of the shortest hang timeout in force (ft section timeout,
+    ``inprocess_restart.soft_timeout``, ``liveness_ping_timeout``), off when there is none; 0: off."""
+
+
+@dataclass
 class ConfigContainer:
     """Everything that describes one pretraining run."""
 
@@ -345,6 +363,8 @@ class ConfigContainer:
     """In-process restart."""
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     """Re-run state machine."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Liveness ping, device health checks, hang attribution."""
 
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check every field and every combination; raise ``ValueError`` naming the field and the fix.

@@ -50,6 +50,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     _validate_straggler(cfg)
     _validate_rerun(cfg)
     _validate_inprocess_restart(cfg, world_size)
+    _validate_health(cfg)
 
 
 def data_parallel_size(model: ModelConfig, world_size: int) -> int:
@@ -448,4 +449,42 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int) -> None:
             "in-process restart as a hang and restart the job under it",
             "set ft.enable_ft_package=false and launch under ft_launcher (--max-restarts) to keep in-job restart as "
             "the fallback when in-process restart gives up",
+        )
+
+
+def _validate_health(cfg: ConfigContainer) -> None:
+    h = cfg.health
+    if h.liveness_ping_interval < 0:
+        _fail(
+            "health.liveness_ping_interval",
+            f"must be >= 0, got {h.liveness_ping_interval}",
+            "use 0 (off) or a number of steps between pings",
+        )
+    if h.stack_dump_after is not None and h.stack_dump_after < 0:
+        _fail(
+            "health.stack_dump_after",
+            f"must be >= 0 seconds, got {h.stack_dump_after}",
+            "use a number of seconds, 0 (off) or null (half the shortest hang timeout)",
+        )
+    if h.liveness_ping_interval == 0:
+        return
+    if h.liveness_ping_timeout <= 0:
+        _fail(
+            "health.liveness_ping_timeout",
+            f"must be > 0 seconds, got {h.liveness_ping_timeout}",
+            "use a positive number of seconds",
+        )
+    if h.liveness_ping_timeout >= cfg.dist.distributed_timeout_minutes * 60:
+        _fail(
+            "health.liveness_ping_timeout",
+            f"{h.liveness_ping_timeout} s is not below dist.distributed_timeout_minutes="
+            f"{cfg.dist.distributed_timeout_minutes} min: a lost rank would hit the collectives' own timeout first",
+            "lower health.liveness_ping_timeout (seconds to a minute is typical)",
+        )
+    if cfg.inprocess_restart.enabled:
+        _fail(
+            "health.liveness_ping_interval",
+            "cannot be combined with in-process restart, which already watches every rank (heartbeats, "
+            "inprocess_restart.soft_timeout) and restarts in place; the ping would turn that restart into an exit 24",
+            "set health.liveness_ping_interval=0 with inprocess_restart.enabled=true",
         )

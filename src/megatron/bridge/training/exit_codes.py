@@ -55,6 +55,15 @@ class ExitCode(enum.IntEnum):
     """A non-finite loss within a few steps of loading a local-tier checkpoint: that checkpoint was deleted on every
     node. Action: restart the job (in-job restart); it loads the global checkpoint."""
 
+    PEER_UNRESPONSIVE = 24
+    """The liveness ping (``health.liveness_ping_interval``) lost a rank: it died or did not answer within
+    ``health.liveness_ping_timeout``; the log names it. Action: restart the job (in-job restart), on other nodes
+    if the named rank's node is suspect."""
+
+    DEVICE_UNHEALTHY = 25
+    """A device health check failed before training started (a CUDA context that does not synchronize, a GPU that
+    NVML says needs a reset or reboot, a degraded NVLink). Action: restart on other nodes (exclude this one)."""
+
 
 class TrainingExit(SystemExit):
     """Raised to end training with a specific :class:`ExitCode` after cleanup ran."""

@@ -117,10 +117,15 @@ def strike(kind: str, where: str) -> None:
         for pid in [*_descendants(os.getpid()), os.getpid()]:
             os.kill(pid, signal.SIGTERM)
     elif kind == "stall":
-        while True:  # short sleeps: the GIL is free, and an exception raised asynchronously into the thread lands
-            time.sleep(0.05)
+        stall_forever()
     else:
         raise RuntimeError(f"fault injection: exception at {where}")
+
+
+def stall_forever() -> None:
+    """Never return, waiting with the GIL released (the ``stall`` fault; hang attribution names this function)."""
+    while True:  # short sleeps: the GIL is free, and an exception raised asynchronously into the thread lands
+        time.sleep(0.05)
 
 
 class StepFaults:

@@ -142,6 +142,15 @@ class FaultTolerance:
             except Exception as err:  # no IPC to the launcher (or it is gone): the exit code still says stop
                 logger.warning("[FaultTolerance] could not ask the launcher to stop: %s", err)
 
+    def section_timeout(self, section: str) -> Optional[float]:
+        """Seconds the rank monitor lets ``section`` stay open before it kills the rank (``None``: no timeout)."""
+        if self._client is None or self._monitor_lost:
+            return None
+        if self._use_sections:
+            return self._client.section_timeouts.section.get(section)
+        hb = self._client.hb_timeouts
+        return hb.initial if section == "setup" else hb.subsequent
+
     def shutdown(self) -> None:
         """Disconnect from the rank monitor (after training ended normally)."""
         if self._client is not None:

@@ -11,11 +11,14 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatron.bridge.training import job_info
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
+from megatron.bridge.training.hang_attribution import HangWatch, attempt_name, summarize_earlier_attempts
 from megatron.bridge.training.initialize import (
     abort_distributed,
     destroy_distributed,
@@ -25,6 +28,7 @@ from megatron.bridge.training.initialize import (
     setup_logging,
 )
 from megatron.bridge.training.inprocess_restart import RestartIteration
+from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
@@ -82,10 +86,15 @@ def _pretrain(
     from megatron.bridge.data.mock import build_data_iterator
     from megatron.bridge.models.gpt import build_gpt_model
 
-    ft = FaultTolerance(cfg, rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    rank = int(os.environ.get("RANK", "0"))
+    ft = FaultTolerance(cfg, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    attempt = attempt_name(inprocess_iteration=restart.iteration if restart is not None else 0)
+    hang_watch = HangWatch(_attribution_dir(cfg), attempt, rank, functools.partial(_stack_dump_delay, cfg, ft))
+    liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is)
     ft.on_setup_start()
+    hang_watch.open("setup")
     checkpoints = metrics = ctx = None
-    straggler = NVRxStragglerDetectionManager(cfg.nvrx_straggler, rank=int(os.environ.get("RANK", "0")))
+    straggler = NVRxStragglerDetectionManager(cfg.nvrx_straggler, rank=rank)
     signals = DistributedSignalHandler(cfg.train.exit_signal)
     handlers = contextlib.ExitStack()
     if cfg.train.exit_signal_handler:  # never trap the scheduler's signal unless asked to
@@ -98,6 +107,8 @@ def _pretrain(
             # A finished run closed it already (waiting for its saves); when unwinding, never commit collectives.
             *([functools.partial(checkpoints.close, abort=True)] if checkpoints is not None else []),
             ft.shutdown,
+            hang_watch.shutdown,
+            liveness.shutdown,
             destroy_distributed,
             *([ctx.deadline.cancel] if ctx is not None and ctx.deadline is not None else []),
             handlers.close,
@@ -108,6 +119,10 @@ def _pretrain(
         restart.cleanups.append(teardown)
     try:
         device = initialize_distributed(cfg, store=restart.process_group_store() if restart is not None else None)
+        check_device_health(device)
+        if dist.get_rank() == 0 and _attribution_dir(cfg) is not None:
+            summarize_earlier_attempts(_attribution_dir(cfg), attempt)
+        liveness.setup()
         straggler.initialize()
         checkpoints = CheckpointManager(cfg.checkpoint)
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
@@ -120,6 +135,15 @@ def _pretrain(
         state = TrainState()
         checkpoints.load(model, optimizer, scheduler, state)
         rerun.import_state(checkpoints.loaded_rank_extra)
+        if dist.get_rank() == 0:
+            ckpt = cfg.checkpoint
+            info = job_info.collect(
+                device=str(device),
+                inprocess_iteration=restart.iteration if restart is not None else 0,
+                checkpoint={"save": ckpt.save, "load": ckpt.load, "local": ckpt.non_persistent_local_ckpt_dir},
+                resumed=checkpoints.resumed,
+            )
+            job_info.report(info, ckpt.save)
 
         from megatron.core import parallel_state
 
@@ -154,14 +178,19 @@ def _pretrain(
             straggler=straggler,
             signals=signals,
             rerun=rerun,
+            hang_watch=hang_watch,
+            liveness=liveness,
             start_time=start_time,
             **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default
         )
         ft.on_setup_end()
+        hang_watch.close()
         code, reason = train(ctx)
         ft.on_checkpoint_start()  # waiting for the last async save is checkpointing time, not a hang
+        hang_watch.open("checkpointing")
         checkpoints.close()
         ft.on_checkpoint_end()
+        hang_watch.close()
         ft.on_train_end(code)
         if rerun.transient_errors:
             logger.warning(
@@ -179,6 +208,32 @@ def _pretrain(
         # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
         # restart into this thread. A step the restart interrupts runs again in the wrapper's finalize step.
         teardown()
+
+
+def _attribution_dir(cfg: ConfigContainer) -> Optional[str]:
+    """Where hang attribution writes stacks: ``<checkpoint.save>/attribution`` when a stack dump can happen."""
+    after = cfg.health.stack_dump_after
+    watched = cfg.ft.enable_ft_package or cfg.inprocess_restart.enabled or cfg.health.liveness_ping_interval > 0
+    if cfg.checkpoint.save is None or after == 0 or (after is None and not watched):
+        return None
+    return os.path.join(cfg.checkpoint.save, "attribution")
+
+
+def _stack_dump_delay(cfg: ConfigContainer, ft: FaultTolerance, section: str) -> Optional[float]:
+    """Seconds ``section`` may stay open before the stacks are dumped.
+
+    The configured value, or half of the shortest hang timeout that applies to the section (evaluated at every
+    section start, so learned ft timeouts count).
+    """
+    if cfg.health.stack_dump_after is not None:
+        return cfg.health.stack_dump_after or None
+    limits = [ft.section_timeout(section)]
+    if cfg.inprocess_restart.enabled and section != "setup":
+        limits.append(cfg.inprocess_restart.soft_timeout)
+    if section == "step" and cfg.health.liveness_ping_interval:
+        limits.append(cfg.health.liveness_ping_timeout)
+    limits = [t for t in limits if t]
+    return min(limits) / 2 if limits else None
 
 
 class _Teardown:

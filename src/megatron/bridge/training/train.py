@@ -2,7 +2,8 @@
 
 Order of events in one iteration (features hook in at these moments, with their logic in their own modules):
 
-1. fault tolerance: open the ``step`` section (everything up to 6 is inside it); fault drills strike here;
+1. fault tolerance: open the ``step`` section (everything up to 6 is inside it; hang attribution dumps this
+   rank's stacks if it stays open too long); fault drills strike here; the liveness ping, when due;
 2. commit async checkpoint saves that finished on every rank;
 3. forward and backward over the micro-batches (timed by straggler detection), once or, when the re-run state
    machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
@@ -33,6 +34,8 @@ from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
+from megatron.bridge.training.hang_attribution import HangWatch
+from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.rerun import RerunController, StepVerdict
@@ -60,6 +63,8 @@ class TrainContext:
     straggler: NVRxStragglerDetectionManager
     signals: DistributedSignalHandler
     rerun: RerunController
+    hang_watch: HangWatch
+    liveness: LivenessPing
     start_time: float
     report_progress: Callable[[], None] = lambda: None
     """Called after every completed step and save: in-process restart's progress watchdog declares a rank that
@@ -176,10 +181,13 @@ def start_stop_deadline(ctx: TrainContext) -> Optional[StopDeadline]:
 def stop_before_step(ctx: TrainContext, verdict: StepVerdict) -> tuple[ExitCode, str]:
     """End the run on a re-run verdict, saving the pre-step state as the verdict asks."""
     ctx.ft.on_step_end()
+    ctx.hang_watch.close()
     if verdict.checkpoint == "force" or (verdict.checkpoint == "if_due" and _should_save(ctx, stopping=True)):
         ctx.ft.on_checkpoint_start()
+        ctx.hang_watch.open("checkpointing")
         ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, rank_extra=ctx.rerun.export_state())
         ctx.ft.on_checkpoint_end()
+        ctx.hang_watch.close()
     return verdict.stop
 
 
@@ -210,7 +218,9 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     ctx.model.train()
     while True:
         ctx.ft.on_step_start()
+        ctx.hang_watch.open("step")
         ctx.faults.before_step(ctx.state.iteration + 1)
+        ctx.liveness.maybe_ping(ctx.state.iteration + 1)  # before any collective of the step, a save commit too
         ctx.checkpoints.finalize(blocking=False)
         log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
         with ctx.straggler.step_section():
@@ -219,6 +229,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
             blamed = ctx.checkpoints.blame_local_tier(ctx.state.iteration + 1)
             if blamed is not None:  # the state came from a suspect local checkpoint: save nothing of it
                 ctx.ft.on_step_end()
+                ctx.hang_watch.close()
                 return ExitCode.LOCAL_CHECKPOINT_REJECTED, blamed
         if verdict.stop is not None:  # the step was not applied: the iteration stays where it was
             return stop_before_step(ctx, verdict)
@@ -231,12 +242,15 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
             ctx.deadline = start_stop_deadline(ctx)
         ctx.ft.on_step_end()
+        ctx.hang_watch.close()
         ctx.report_progress()
         save = _due_save(ctx, stopping=stop is not None)
         if save is not None:
             ctx.ft.on_checkpoint_start()
+            ctx.hang_watch.open("checkpointing")
             save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
             ctx.ft.on_checkpoint_end()
+            ctx.hang_watch.close()
             ctx.report_progress()  # a save longer than inprocess_restart.soft_timeout is taken for a hang
         if stop is not None:
             return stop

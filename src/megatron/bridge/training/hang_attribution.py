@@ -1,0 +1,196 @@
+"""Hang attribution: where each rank was when a hang timeout struck, written before the rank is killed.
+
+While a section (``setup``, ``step``, ``checkpointing``) is open, a watchdog thread of this rank waits for its
+deadline; when the section stays open ``health.stack_dump_after`` seconds, every thread's Python stack is written
+(by ``faulthandler``) to ``<checkpoint.save>/attribution/<attempt>/rank<N>.stacks`` and one line naming the main
+thread's innermost frame is logged. The default delay is half of the shortest hang timeout in force (an ft section
+timeout, ``inprocess_restart.soft_timeout``, ``health.liveness_ping_timeout``), so the stacks are on disk before
+the monitor kills the rank. Opening and closing a section only sets a deadline (no thread start, no I/O); the
+watchdog runs whenever the main thread waits with the GIL released, as torch does in collectives and device syncs.
+
+An attempt is one start of the training function: ``attempt_<requeue>_<in-job restart>_<in-process iteration>``.
+At the next start, rank 0 summarizes every earlier attempt that left stack files: one log line per attempt naming each
+rank with its innermost frame (and whether it was waiting in a collective), also written to that attempt's
+``summary.txt``. A rank stopped with SIGSTOP, or killed before the delay, writes nothing but its header line.
+Files without a dump are removed when the rank shuts down normally.
+"""
+
+import faulthandler
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Optional
+
+logger = logging.getLogger(__name__)
+
+SUMMARY = "summary.txt"
+_FRAME_RE = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_THREAD_RE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+_COLLECTIVE_PATHS = ("torch/distributed/", "megatron/core/distributed/", "megatron/core/parallel_state")
+_POLL_S = 0.25
+"""How often the watchdog looks at the deadline."""
+
+
+def attempt_name(env: Optional[dict[str, str]] = None, inprocess_iteration: int = 0) -> str:
+    """The directory name of this attempt: requeue count, in-job restart count, in-process iteration."""
+    env = os.environ if env is None else env
+    requeue = env.get("SLURM_RESTART_COUNT", "0")
+    in_job = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"attempt_{requeue}_{in_job}_{inprocess_iteration}"
+
+
+class HangWatch:
+    """Dumps this rank's stacks when a section stays open past its delay; every method is a no-op when disabled.
+
+    Args:
+        directory: ``<checkpoint.save>/attribution`` (``None``: disabled).
+        attempt: :func:`attempt_name` of this start.
+        rank: this rank.
+        delay: seconds for a section, given its name (``None`` or 0: no dump for it); called at every
+            :meth:`open`, so learned timeouts are picked up.
+    """
+
+    def __init__(
+        self, directory: Optional[str], attempt: str, rank: int, delay: Callable[[str], Optional[float]]
+    ) -> None:
+        self._delay = delay
+        self._file: Optional[IO[str]] = None
+        self.path: Optional[str] = None
+        self._section: Optional[str] = None
+        self._opened = 0.0
+        self._deadline: Optional[float] = None
+        self._stop = threading.Event()
+        if directory is None:
+            return
+        self.path = os.path.join(directory, attempt, f"rank{rank}.stacks")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._file = open(self.path, "w")  # noqa: SIM115 - held open for the watchdog's dumps
+        self._file.write(f"rank {rank} pid {os.getpid()} main thread {_thread_id()}\n")  # found by summaries
+        self._file.flush()
+        self._header_size = self._file.tell()
+        self._thread = threading.Thread(target=self._watch, name="mbridge-hang-watch", daemon=True)
+        self._thread.start()
+
+    def open(self, section: str) -> None:
+        """A section starts: dump the stacks if it is still open after its delay."""
+        if self._file is None:
+            return
+        delay = self._delay(section)
+        self._section, self._opened = section, time.monotonic()
+        self._deadline = self._opened + delay if delay else None
+
+    def close(self) -> None:
+        """The open section ended in time."""
+        self._deadline = None
+
+    def shutdown(self) -> None:
+        """Stop watching; remove this rank's file when nothing was dumped into it."""
+        if self._file is None:
+            return
+        self._deadline = None
+        self._stop.set()
+        self._thread.join()
+        self._file.close()
+        self._file = None
+        if self.path is not None and os.path.getsize(self.path) <= self._header_size:
+            os.remove(self.path)
+            for folder in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
+                try:
+                    os.rmdir(folder)  # the last rank out removes the empty attempt and attribution directories
+                except OSError:
+                    break
+
+    def where_is(self, rank: int) -> Optional[str]:
+        """Where ``rank`` was stuck in this attempt, if its stack file holds a dump (the file system is shared)."""
+        if self.path is None:
+            return None
+        path = os.path.join(os.path.dirname(self.path), f"rank{rank}.stacks")
+        return summarize_stack_file(path) if os.path.exists(path) else None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            deadline = self._deadline
+            if deadline is None or time.monotonic() < deadline:
+                continue
+            self._deadline = None  # one dump per open section
+            self._dump()
+
+    def _dump(self) -> None:
+        assert self._file is not None and self.path is not None
+        waited = time.monotonic() - self._opened
+        self._file.write(f"--- {self._section} open for {waited:.1f} s\n")
+        self._file.flush()
+        faulthandler.dump_traceback(file=self._file, all_threads=True)
+        self._file.flush()
+        logger.warning("[attribution] %s; all stacks in %s", summarize_stack_file(self.path), self.path)
+
+
+def _thread_id() -> str:
+    return f"0x{threading.main_thread().ident:016x}"
+
+
+def summarize_stack_file(path: str) -> Optional[str]:
+    """``"rank N in func (file:line)[, waiting in a collective]"`` from a stack file, or ``None`` if it has no dump."""
+    with open(path, errors="replace") as f:
+        lines = f.read().splitlines()
+    if not lines or not lines[0].startswith("rank "):
+        return None
+    header = lines[0].split()
+    rank, main_thread = header[1], header[-1]
+    section = ""
+    frames: list[re.Match] = []
+    in_main = False
+    for line in lines[1:]:
+        if line.startswith("--- ") and not frames:
+            section = line[4:]  # e.g. "step open for 3.0 s"
+            continue
+        thread = _THREAD_RE.match(line)
+        if thread is not None:
+            if in_main and frames:
+                break  # the first dump of the main thread is the one taken at the hang
+            in_main = thread.group(1) == main_thread
+            continue
+        frame = _FRAME_RE.match(line)
+        if in_main and frame is not None:
+            frames.append(frame)
+    if not frames:
+        return None
+    inner = frames[0]  # faulthandler prints the most recent call first
+    where = f"rank {rank} in {inner.group('func')} ({os.path.basename(inner.group('file'))}:{inner.group('line')})"
+    if section:
+        where += f" [{section}]"
+    if any(p in f.group("file") for f in frames for p in _COLLECTIVE_PATHS):
+        where += ", waiting in a collective"
+    return where
+
+
+def summarize_earlier_attempts(directory: str, current: str) -> list[str]:
+    """Log and return one line per earlier attempt in ``directory`` that left stack files (rank 0, at start).
+
+    An attempt is summarized once: the line is written to its ``summary.txt``.
+    """
+    if not os.path.isdir(directory):
+        return []
+    lines = []
+    for attempt in sorted(os.listdir(directory)):
+        folder = os.path.join(directory, attempt)
+        if attempt == current or not os.path.isdir(folder) or os.path.exists(os.path.join(folder, SUMMARY)):
+            continue
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".stacks"))
+        if not files:
+            continue
+        found = [summarize_stack_file(os.path.join(folder, f)) for f in files]
+        stuck = [s for s in found if s is not None]
+        silent = [f.removesuffix(".stacks") for f, s in zip(files, found) if s is None]
+        line = f"[attribution] {attempt}: " + ("; ".join(stuck) if stuck else "no stacks written")
+        if silent:
+            line += f"; no stack from {', '.join(silent)} (stopped, killed before the dump, or not hung)"
+        line += f" — stacks in {folder}"
+        with open(os.path.join(folder, SUMMARY), "w") as f:
+            f.write(line + "\n")
+        logger.warning("%s", line)
+        lines.append(line)
+    return lines

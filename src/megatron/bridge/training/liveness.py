@@ -1,0 +1,126 @@
+"""Collective liveness ping: find a dead or stuck rank in seconds, by rank, instead of waiting out a collective.
+
+Every ``health.liveness_ping_interval`` steps, at the start of the step, each rank records the iteration in the
+rendezvous store (``mbridge_liveness/<attempt>/rank<N>``) and joins a one-element all-reduce on a gloo side group
+created with ``timeout=health.liveness_ping_timeout`` (gloo on NCCL runs too: a CPU tensor, no device sync). A peer
+that died closes its connections and the all-reduce fails at once; a peer that never arrives makes it time out. The
+first rank to notice waits, at most until the timeout, for the others to record this ping, then names every rank
+whose record is older, with its last stack when hang attribution wrote one; every rank exits
+:attr:`ExitCode.PEER_UNRESPONSIVE` (24).
+
+Cost per ping: one store write and one 4-byte gloo all-reduce per rank. A rank that hangs inside a step's own
+collectives holds its peers in that collective before they reach the ping: ft section timeouts and hang attribution
+cover that case.
+"""
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.bridge.training.config import HealthConfig
+from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+
+
+class LivenessPing:
+    """The ping of one run; a no-op when ``health.liveness_ping_interval`` is 0.
+
+    Args:
+        cfg: the health section.
+        attempt: a name unique to this start (records of an earlier attempt in the same store must not count).
+        where_is: ``rank -> one line`` saying where a rank was stuck, if known (hang attribution's summary).
+    """
+
+    def __init__(self, cfg: HealthConfig, attempt: str, where_is: Callable[[int], Optional[str]]) -> None:
+        self.interval = cfg.liveness_ping_interval
+        self.timeout = cfg.liveness_ping_timeout
+        self._prefix = f"mbridge_liveness/{attempt}"
+        self._where_is = where_is
+        self._group: Any = None
+        self._store: Any = None
+
+    def setup(self) -> None:
+        """Create the side group (a collective: every rank, after the default group exists)."""
+        if not self.interval:
+            return
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        self._store = dist.distributed_c10d._get_default_store()
+        logger.info("liveness ping every %d steps, timeout %.1f s", self.interval, self.timeout)
+
+    def maybe_ping(self, iteration: int) -> None:
+        """Ping when ``iteration`` (the step about to run) is a multiple of the interval.
+
+        Raises:
+            TrainingExit: ``PEER_UNRESPONSIVE`` when a rank died or did not join within the timeout.
+        """
+        if not self.interval or iteration % self.interval:
+            return
+        rank = dist.get_rank()
+        start = time.monotonic()
+        self._store.set(f"{self._prefix}/rank{rank}", str(iteration))
+        flag = torch.ones(1)
+        try:
+            dist.all_reduce(flag, group=self._group)
+        except RuntimeError as err:  # DistBackendError and gloo's timeout are RuntimeErrors
+            waited = time.monotonic() - start
+            raise TrainingExit(ExitCode.PEER_UNRESPONSIVE, self._diagnose(iteration, start, waited, err)) from None
+
+    def shutdown(self) -> None:
+        """Forget the side group (destroying the default group destroys it)."""
+        self._group = None
+        self._store = None
+
+    def _diagnose(self, iteration: int, start: float, waited: float, err: BaseException) -> str:
+        """Name the ranks that did not record this ping by the deadline (the first rank to fail does the search)."""
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first_line = text.split("] ", 1)[-1]  # gloo prefixes its source location: "[.../pair.cc:553] Connection..."
+        try:
+            reporter = self._store.add(f"{self._prefix}/failed{iteration}", 1) == 1
+            if not reporter:
+                return (
+                    f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}); "
+                    "the first rank that noticed names the lost ranks"
+                )
+            missing = self._missing(iteration, deadline=start + self.timeout)
+        except Exception as store_err:  # noqa: BLE001 - the store's host may be the rank that died
+            return (
+                f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}); the store could "
+                f"not be read ({type(store_err).__name__}: {store_err}): its host may be the lost rank"
+            )
+        if not missing:
+            return (
+                f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}), although every "
+                "rank recorded it: a connection failed"
+            )
+        described = []
+        for rank, last in missing.items():
+            seen = f"last ping at iteration {last}" if last is not None else "no ping recorded"
+            where = self._where_is(rank)
+            described.append(f"rank {rank} ({seen}{'; stack: ' + where if where else ''})")
+        return (
+            f"liveness ping at iteration {iteration}: {', '.join(described)} did not answer within "
+            f"health.liveness_ping_timeout={self.timeout} s (dead or stuck; noticed after {waited:.1f} s: "
+            f"{first_line})"
+        )
+
+    def _missing(self, iteration: int, deadline: float) -> dict[int, Optional[int]]:
+        """Ranks whose record is older than ``iteration`` at ``deadline`` (polling; late ranks may still arrive)."""
+        world = dist.get_world_size()
+        while True:
+            missing: dict[int, Optional[int]] = {}
+            for rank in range(world):
+                key = f"{self._prefix}/rank{rank}"
+                last = int(self._store.get(key)) if self._store.check([key]) else None
+                if last is None or last < iteration:
+                    missing[rank] = last
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(_POLL_S)

@@ -1,0 +1,177 @@
+"""Hang attribution's stack files and summaries, the liveness ping's diagnosis, and device health on CPU."""
+
+import logging
+import time
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.bridge.training import device_health, hang_attribution
+from megatron.bridge.training.config import HealthConfig
+from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.liveness import LivenessPing
+
+
+def _stuck_in_a_known_place(watch):
+    watch.open("step")
+    time.sleep(0.8)
+    watch.close()
+
+
+def test_watch_dumps_an_open_section_once_and_names_the_function(tmp_path, caplog):
+    watch = hang_attribution.HangWatch(str(tmp_path), "attempt_0_0_0", 3, lambda section: 0.3)
+    with caplog.at_level(logging.WARNING, logger="megatron.bridge"):
+        _stuck_in_a_known_place(watch)
+        time.sleep(0.4)  # closed now: no second dump
+    watch.shutdown()
+    text = (tmp_path / "attempt_0_0_0" / "rank3.stacks").read_text()
+    assert text.count("--- step open for") == 1
+    where = hang_attribution.summarize_stack_file(watch.path)
+    assert where.startswith("rank 3 in _stuck_in_a_known_place (test_health.py:"), where
+    assert "[attribution] rank 3 in _stuck_in_a_known_place" in caplog.text
+
+
+def test_sections_closed_in_time_leave_no_files(tmp_path):
+    watch = hang_attribution.HangWatch(str(tmp_path / "attribution"), "attempt_0_0_0", 0, lambda section: 5.0)
+    for _ in range(1000):
+        watch.open("step")
+        watch.close()
+    watch.shutdown()
+    assert not (tmp_path / "attribution").exists()
+
+
+def test_no_delay_means_no_dump(tmp_path):
+    watch = hang_attribution.HangWatch(str(tmp_path), "a", 0, lambda section: None)
+    watch.open("setup")
+    time.sleep(0.6)
+    watch.shutdown()
+    assert not (tmp_path / "a").exists()
+
+
+def test_disabled_watch_is_a_no_op():
+    watch = hang_attribution.HangWatch(None, "a", 0, lambda section: 0.1)
+    watch.open("step")
+    watch.close()
+    watch.shutdown()
+    assert watch.where_is(1) is None
+
+
+def test_summary_of_earlier_attempts_is_written_once(tmp_path, caplog):
+    folder = tmp_path / "attempt_0_0_0"
+    folder.mkdir()
+    main = "0x00007f0000000001"
+    (folder / "rank1.stacks").write_text(
+        f"rank 1 pid 9 main thread {main}\n--- step open for 3.0 s\n"
+        'Current thread 0x00007f0000000002 (most recent call first):\n  File "/x/hang.py", line 5 in _watch\n\n'
+        f'Thread {main} (most recent call first):\n  File "/x/fault_injection.py", line 130 in stall_forever\n'
+        '  File "/x/train.py", line 200 in train\n'
+    )
+    (folder / "rank0.stacks").write_text(
+        f"rank 0 pid 8 main thread {main}\n--- step open for 3.1 s\nThread {main} (most recent call first):\n"
+        '  File "/v/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "/x/train.py", line 90 in train_step\n'
+    )
+    (folder / "rank2.stacks").write_text(f"rank 2 pid 7 main thread {main}\n")  # stopped: header only
+    with caplog.at_level(logging.WARNING, logger="megatron.bridge"):
+        lines = hang_attribution.summarize_earlier_attempts(str(tmp_path), "attempt_0_1_0")
+    assert len(lines) == 1
+    line = lines[0]
+    assert "rank 0 in all_reduce (distributed_c10d.py:3252) [step open for 3.1 s], waiting in a collective" in line
+    assert "rank 1 in stall_forever (fault_injection.py:130) [step open for 3.0 s]" in line
+    assert "no stack from rank2" in line
+    assert (folder / "summary.txt").exists()
+    assert hang_attribution.summarize_earlier_attempts(str(tmp_path), "attempt_0_1_0") == []  # once
+    assert hang_attribution.summarize_earlier_attempts(str(tmp_path / "missing"), "x") == []
+
+
+def test_attempt_name_counts_every_kind_of_restart():
+    env = {"SLURM_RESTART_COUNT": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert hang_attribution.attempt_name(env, inprocess_iteration=3) == "attempt_2_1_3"
+    assert hang_attribution.attempt_name({}) == "attempt_0_0_0"
+
+
+class _OneRank:
+    """The liveness ping's view of a world of ``size`` ranks, with a real in-memory store."""
+
+    def __init__(self, monkeypatch, size):
+        monkeypatch.setattr(dist, "get_world_size", lambda: size)
+        self.store = dist.HashStore()
+
+
+def _ping(store, where=None, timeout=0.6):
+    ping = LivenessPing(HealthConfig(liveness_ping_interval=2, liveness_ping_timeout=timeout), "0.0", where or {}.get)
+    ping._store = store
+    return ping
+
+
+def test_ping_names_ranks_whose_record_is_old_or_missing(monkeypatch):
+    world = _OneRank(monkeypatch, 4)
+    for rank, last in [(0, 6), (1, 4), (3, 6)]:
+        world.store.set(f"mbridge_liveness/0.0/rank{rank}", str(last))
+    ping = _ping(world.store, {1: "rank 1 in stall_forever (f.py:1)"}.get)
+    start = time.monotonic()
+    message = ping._diagnose(6, start, 0.6, RuntimeError("[gloo/pair.cc:553] Connection closed by peer"))
+    assert time.monotonic() - start >= 0.5, "late ranks get until the deadline to arrive"
+    assert message.startswith("liveness ping at iteration 6: rank 1 (last ping at iteration 4; stack: rank 1 in ")
+    assert "rank 2 (no ping recorded)" in message
+    assert "rank 0" not in message and "rank 3" not in message
+    assert message.endswith("(dead or stuck; noticed after 0.6 s: Connection closed by peer)")
+
+
+def test_only_the_first_failing_rank_searches(monkeypatch):
+    world = _OneRank(monkeypatch, 2)
+    world.store.add("mbridge_liveness/0.0/failed6", 1)  # another rank noticed first
+    message = _ping(world.store)._diagnose(6, time.monotonic(), 0.1, RuntimeError("timeout"))
+    assert "the first rank that noticed names the lost ranks" in message
+
+
+def test_ping_says_when_the_store_is_gone(monkeypatch):
+    class Gone:
+        def add(self, *args):
+            raise RuntimeError("Broken pipe")
+
+    message = _ping(Gone())._diagnose(6, time.monotonic(), 0.1, RuntimeError("Connection closed by peer"))
+    assert "its host may be the lost rank" in message
+
+
+def test_ping_off_does_nothing():
+    ping = LivenessPing(HealthConfig(), "0.0", {}.get)
+    ping.setup()  # no process group needed when off
+    ping.maybe_ping(10)
+
+
+def test_no_device_checks_on_cpu_said_once(monkeypatch, caplog):
+    monkeypatch.setattr(device_health, "_said_no_devices", False)
+    with caplog.at_level(logging.INFO, logger="megatron.bridge"):
+        assert device_health.check_device_health(torch.device("cpu")) == []
+        device_health.check_device_health(torch.device("cpu"))
+    assert caplog.text.count("no device checks on this machine") == 1
+
+
+@pytest.mark.parametrize("failing", ["cuda", "gpu", "nvlink"])
+def test_failed_device_check_stops_with_25_naming_it(monkeypatch, failing):
+    """Our mapping of nvidia-resiliency-ext's verdicts (stand-ins here: no GPU on this machine) to exit 25."""
+
+    def cuda_check(timeout):
+        def run(state):
+            if failing == "cuda":
+                raise TimeoutError
+            return state
+
+        return run
+
+    modules = {
+        "nvidia_resiliency_ext.inprocess.health_check": types.SimpleNamespace(CudaHealthCheck=cuda_check),
+        "nvidia_resiliency_ext.shared_utils.health_check": types.SimpleNamespace(
+            GPUHealthCheck=lambda: type("G", (), {"enabled": True, "__call__": lambda self: failing != "gpu"})(),
+            NVLHealthCheck=lambda device_index: lambda: failing != "nvlink",
+        ),
+    }
+    monkeypatch.setattr(device_health, "require", modules.__getitem__)
+    with pytest.raises(TrainingExit) as err:
+        device_health.check_device_health(torch.device("cuda", 0))
+    assert err.value.exit_code == ExitCode.DEVICE_UNHEALTHY
+    expected = {"cuda": "CUDA context", "gpu": "GPU (NVML recovery action)", "nvlink": "NVLink"}[failing]
+    assert f"device health check '{expected}' failed on cuda:0" in err.value.reason
