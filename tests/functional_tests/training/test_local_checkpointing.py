@@ -6,6 +6,7 @@ replacement agent joins the job, as a spare node would.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,13 +76,15 @@ class Job:
         self._file.close()
 
 
-def _agent(endpoint: str, run_id: str, ckpt: Path, local_dir: Path, out: Path, faults: str = "") -> Job:
+def _agent(
+    endpoint: str, run_id: str, ckpt: Path, local_dir: Path, out: Path, faults: str = "", extra: tuple = ()
+) -> Job:
     """One "node": an ft_launcher agent with one training rank and its own node-local directory."""
     launcher = [
         str(Path(sys.executable).parent / "ft_launcher"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--max-restarts=3",
     ]  # fmt: skip
-    overrides = [f"checkpoint.non_persistent_local_ckpt_dir={local_dir}", "checkpoint.replication=true"]
+    overrides = [f"checkpoint.non_persistent_local_ckpt_dir={local_dir}", "checkpoint.replication=true", *extra]
     return Job(launcher, ckpt, overrides, out, faults)
 
 
@@ -100,24 +103,35 @@ def two_node_reference(tmp_path_factory) -> tuple[Run, Path]:
     return Run(0, output), root / "ckpt"
 
 
-def _lose_a_node(tmp_path: Path, damage_replica: bool) -> tuple[Run, Path]:
+def _wait_for_files(pattern: str, roots: list[Path], count: int, timeout: float = 60) -> None:
+    """Wait until each of ``roots`` holds ``count`` files matching ``pattern`` (background writers finishing)."""
+    deadline = time.monotonic() + timeout
+    while any(len(list(root.glob(pattern))) < count for root in roots):
+        assert time.monotonic() < deadline, [sorted(root.rglob("*")) for root in roots]
+        time.sleep(0.2)
+
+
+def _lose_a_node(tmp_path: Path, damage_replica: bool, extra: tuple = ()) -> tuple[Run, Path]:
     """Run on two nodes, lose node B after the local save at 8, optionally damage its replica, replace node B."""
     ckpt, node_a, node_b = tmp_path / "ckpt", tmp_path / "node_a", tmp_path / "node_b"
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    a = _agent(endpoint, run_id, ckpt, node_a, tmp_path / "a.log")
+    a = _agent(endpoint, run_id, ckpt, node_a, tmp_path / "a.log", extra=extra)
     agents = [a]
     try:
         time.sleep(3)  # node A hosts the rendezvous store: it must outlive node B
-        b = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b.log", faults=f"stall@{STRIKE}:0,stall@{STRIKE}:1")
+        stall = f"stall@{STRIKE}:0,stall@{STRIKE}:1"
+        b = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b.log", faults=stall, extra=extra)
         agents.append(b)
         b.wait_for("fault injection: stall", timeout=240)
+        # Each node holds its own shard of 8 and its peer's replica (async: once the background writers finish).
+        _wait_for_files("local_ckpt/*/*/*/iter_0000008_*_local.pt", [node_a, node_b], count=2)
         assert (ckpt / "iter_0000006").is_dir() and not (ckpt / "iter_0000009").exists()
         b.kill()
         shutil.rmtree(node_b)
         assert not any(node_b.parent.glob("node_b/**/*.pt"))
         if damage_replica:
             _flip_a_byte_in_the_replica_of_node_b(node_a, b.output())
-        replacement = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b2.log")
+        replacement = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b2.log", extra=extra)
         agents.append(replacement)
         codes = [a.wait(timeout=300), replacement.wait(timeout=60)]
     finally:
@@ -149,9 +163,12 @@ def _flip_a_byte_in_the_replica_of_node_b(node_a: Path, node_b_output: str) -> P
     return replica
 
 
-def test_lost_node_is_recovered_from_its_replica_bit_identically(two_node_reference, tmp_path):
+@pytest.mark.parametrize("saves", ["sync", "async"])
+def test_lost_node_is_recovered_from_its_replica_bit_identically(two_node_reference, tmp_path, saves):
     reference, reference_ckpt = two_node_reference
-    run, ckpt = _lose_a_node(tmp_path, damage_replica=False)
+    run, ckpt = _lose_a_node(tmp_path, damage_replica=False, extra=("checkpoint.async_save=true",) * (saves == "async"))
+    if saves == "async":
+        assert "Scheduling async local checkpoint at iteration 8" in run.output, tail(run)
     assert "loaded verified local checkpoint at iteration 8" in run.output
     assert "(1 of 2 ranks' shards fetched from replicas)" in run.output
     assert "failed verification" not in run.output
@@ -225,3 +242,24 @@ def test_nan_right_after_a_local_load_discards_it_and_the_restart_loads_the_glob
     assert "no complete local checkpoint" in third.output
     assert third.losses() == {i: reference.losses()[i] for i in range(7, 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+def test_atomic_algorithm_saves_and_loads_and_an_older_local_checkpoint_yields_to_the_global_one(
+    reference_tp1, tmp_path
+):
+    reference, reference_ckpt = reference_tp1
+    ckpt, local_dir = tmp_path / "ckpt", tmp_path / "local"
+    tier = [*LOCAL, f"checkpoint.non_persistent_local_ckpt_dir={local_dir}"]
+    tier.append("checkpoint.non_persistent_local_ckpt_algo=atomic")
+    first = torchrun(ckpt, *tier, env={"MBRIDGE_FAULTS": f"kill@{STRIKE}:1"})
+    assert first.exit_code != 0 and "saved local checkpoint at iteration 8" in first.output, tail(first)
+    resumed = torchrun(ckpt, *tier)
+    assert resumed.exit_code == 0, tail(resumed)
+    assert "loaded verified local checkpoint at iteration 8" in resumed.output, tail(resumed)
+    assert resumed.losses() == {i: reference.losses()[i] for i in range(9, 13)}
+    assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+    # The local tier now holds 10 (at 12 the global save was due, and a local save never replaces it): older.
+    again = torchrun(ckpt, *tier, "train.train_iters=13")
+    assert again.exit_code == 0, tail(again)
+    assert "local checkpoint at iteration 10 is not newer than the global one at 12" in again.output, tail(again)
+    assert re.search(r"successfully loaded verified checkpoint \S+iter_0000012 at iteration 12", again.output)
