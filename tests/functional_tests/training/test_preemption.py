@@ -58,6 +58,24 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(reference_tp1, tmp
     _resumes_like_reference(ckpt, reference_tp1, resumed_from=5)
 
 
+def test_async_saves_in_flight_are_finished_before_the_preemption_save(reference_tp1, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # The async save of 3 is scheduled right before the signal reaches rank 1 at the start of step 4.
+    run = torchrun(ckpt, HANDLER, "checkpoint.async_save=true", env={"MBRIDGE_FAULTS": "sigterm@4:1"})
+    assert run.exit_code == 18, tail(run)
+    _stopped_at(run, 4)
+    lines = [x for x in run.output.splitlines() if x.startswith("20") and "[rank0]" in x]
+    order = [i for i, x in enumerate(lines) if "finalized async checkpoint save at iteration 3" in x]
+    scheduled = [i for i, x in enumerate(lines) if "Scheduling async checkpoint save at iteration 4" in x]
+    finished = [i for i, x in enumerate(lines) if "finalized async checkpoint save at iteration 4" in x]
+    assert order and scheduled and finished and order[0] < scheduled[0] < finished[0], tail(run)
+    for iteration in (3, 4):  # both committed, each with its manifest
+        assert (ckpt / f"iter_{iteration:07d}" / "manifest.json").is_file()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert not list(ckpt.glob(".tmp_iter_*")), "no save left half-written"
+    _resumes_like_reference(ckpt, reference_tp1, resumed_from=4)
+
+
 def test_without_the_handler_the_signal_is_not_trapped(tmp_path):
     run = torchrun(tmp_path / "ckpt", env={"MBRIDGE_FAULTS": "sigterm@5:1"})
     assert run.exit_code == 128 + 15, tail(run)  # killed by SIGTERM, as without this framework
