@@ -89,7 +89,8 @@ def _pretrain(
     rank = int(os.environ.get("RANK", "0"))
     ft = FaultTolerance(cfg, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     attempt = attempt_name(inprocess_iteration=restart.iteration if restart is not None else 0)
-    hang_watch = HangWatch(_attribution_dir(cfg), attempt, rank, functools.partial(_stack_dump_delay, cfg, ft))
+    attribution_dir = _attribution_dir(cfg)
+    hang_watch = HangWatch(attribution_dir, attempt, rank, functools.partial(_stack_dump_delay, cfg, ft))
     liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is)
     ft.on_setup_start()
     hang_watch.open("setup")
@@ -120,8 +121,8 @@ def _pretrain(
     try:
         device = initialize_distributed(cfg, store=restart.process_group_store() if restart is not None else None)
         check_device_health(device)
-        if dist.get_rank() == 0 and _attribution_dir(cfg) is not None:
-            summarize_earlier_attempts(_attribution_dir(cfg), attempt)
+        if dist.get_rank() == 0 and attribution_dir is not None:
+            summarize_earlier_attempts(attribution_dir, attempt)
         liveness.setup()
         straggler.initialize()
         checkpoints = CheckpointManager(cfg.checkpoint)
