@@ -124,8 +124,10 @@ class RankRuns:
     outputs: list[str]
 
 
-def without_launcher(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300) -> RankRuns:
-    """Start 2 ranks as separate processes with the torch.distributed environment, and no agent watching them.
+def without_launcher(
+    ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300, nproc: int = 2
+) -> RankRuns:
+    """Start ``nproc`` ranks as separate processes with the torch.distributed environment, no agent watching them.
 
     This is how ``srun --kill-on-bad-exit=0`` runs a job step: a rank that dies takes no other rank with it, so a
     survivor's own handling of the loss can be observed. Rank 0 hosts the rendezvous store.
@@ -137,11 +139,11 @@ def without_launcher(ckpt_dir: Path, *overrides: str, env: dict | None = None, t
     cmd = [sys.executable, str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides]
     procs, files = [], []
     start = time.monotonic()
-    for rank in range(2):
+    for rank in range(nproc):
         rank_env = {
             **os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2", **(env or {}),
+            "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), **(env or {}),
         }  # fmt: skip
         out = tempfile.TemporaryFile(mode="w+")
         files.append(out)

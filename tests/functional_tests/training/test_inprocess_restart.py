@@ -64,7 +64,8 @@ def test_stalled_rank_times_out_softly_and_restarts_in_process(reference_tp1, tm
     assert "Interruption.SOFT_TIMEOUT" in run.output, tail(run, 80)  # no exception anywhere: the watchdog saw it
     assert "HARD_TIMEOUT" not in run.output
     # Hang attribution: the stalled rank wrote its stack before the soft timeout; the next iteration sums it up.
-    summary = [x for x in run.output.splitlines() if "[rank0]" in x and "[attribution] attempt_0_0_0:" in x]
+    first_attempt = re.compile(r"\[rank0\].*\[attribution\] attempt_\S+_0_0_0:")
+    summary = [x for x in run.output.splitlines() if first_attempt.search(x)]
     assert len(summary) == 1 and "rank 1 in stall_forever (fault_injection.py:" in summary[0], tail(run, 80)
     starts = _pids(run.output)
     for rank in (0, 1):

@@ -87,9 +87,50 @@ def test_summary_of_earlier_attempts_is_written_once(tmp_path, caplog):
 
 
 def test_attempt_name_counts_every_kind_of_restart():
-    env = {"SLURM_RESTART_COUNT": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
-    assert hang_attribution.attempt_name(env, inprocess_iteration=3) == "attempt_2_1_3"
-    assert hang_attribution.attempt_name({}) == "attempt_0_0_0"
+    env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert hang_attribution.attempt_name(env, inprocess_iteration=3) == "attempt_77_2_1_3"
+    assert hang_attribution.attempt_name({"TORCHELASTIC_RUN_ID": "a/b"}) == "attempt_a_b_0_0_0"
+    assert hang_attribution.attempt_name({}) == "attempt_local_0_0_0"
+
+
+def test_the_latest_dump_is_the_one_named(tmp_path):
+    delays = {"checkpointing": 0.3, "step": 0.3}
+    watch = hang_attribution.HangWatch(str(tmp_path), "a", 0, delays.get)
+    watch.open("checkpointing")
+    time.sleep(0.8)  # a slow but healthy save dumps first
+    watch.close()
+    _stuck_in_a_known_place(watch)
+    watch.shutdown()
+    assert hang_attribution.summarize_stack_file(watch.path).startswith("rank 0 in _stuck_in_a_known_place (")
+    assert "[step open for" in hang_attribution.summarize_stack_file(watch.path)
+
+
+def test_a_reused_attempt_name_keeps_the_earlier_evidence(tmp_path):
+    first = hang_attribution.HangWatch(str(tmp_path), "a", 1, lambda section: 0.3)
+    _stuck_in_a_known_place(first)
+    first.shutdown()
+    assert hang_attribution.summarize_earlier_attempts(str(tmp_path), "b")  # summarized once: summary.txt written
+    second = hang_attribution.HangWatch(str(tmp_path), "a", 1, lambda section: 5.0)  # same name, no hang
+    second.shutdown()
+    assert "in _stuck_in_a_known_place" in hang_attribution.summarize_stack_file(second.path)
+    assert not (tmp_path / "a" / hang_attribution.SUMMARY).exists(), "to be summarized again with the new start"
+
+
+def test_a_long_healthy_step_does_not_dump_when_only_the_ping_is_on():
+    from megatron.bridge.training.config import ConfigContainer
+    from megatron.bridge.training.pretrain import _stack_dump_delay
+
+    cfg = ConfigContainer()
+    cfg.health.liveness_ping_interval, cfg.health.liveness_ping_timeout = 10, 60.0
+    ft = types.SimpleNamespace(section_timeout=lambda section: None)
+    watch = types.SimpleNamespace(last_duration=lambda section: 45.0)
+    assert _stack_dump_delay(cfg, ft, watch, "step") == 75.0  # past a 45 s step by half the ping timeout
+    assert _stack_dump_delay(cfg, ft, watch, "checkpointing") is None
+    ft = types.SimpleNamespace(section_timeout=lambda section: {"step": 100.0, "checkpointing": 20.0}[section])
+    assert _stack_dump_delay(cfg, ft, watch, "step") == 50.0  # half the ft timeout comes first
+    assert _stack_dump_delay(cfg, ft, watch, "checkpointing") == 10.0
+    cfg.health.stack_dump_after = 0
+    assert _stack_dump_delay(cfg, ft, watch, "step") is None
 
 
 class _OneRank:
@@ -120,20 +161,40 @@ def test_ping_names_ranks_whose_record_is_old_or_missing(monkeypatch):
     assert message.endswith("(dead or stuck; noticed after 0.6 s: Connection closed by peer)")
 
 
-def test_only_the_first_failing_rank_searches(monkeypatch):
+def test_other_survivors_report_the_searching_rank_verdict(monkeypatch):
     world = _OneRank(monkeypatch, 2)
-    world.store.add("mbridge_liveness/0.0/failed6", 1)  # another rank noticed first
+    world.store.add("mbridge_liveness/0.0/failed6", 1)  # another rank noticed first and searches
+    world.store.set("mbridge_liveness/0.0/verdict6", "liveness ping at iteration 6: rank 3 (...) did not answer")
     message = _ping(world.store)._diagnose(6, time.monotonic(), 0.1, RuntimeError("timeout"))
-    assert "the first rank that noticed names the lost ranks" in message
+    assert message == "liveness ping at iteration 6: rank 3 (...) did not answer"
 
 
-def test_ping_says_when_the_store_is_gone(monkeypatch):
+def test_without_a_verdict_the_survivor_says_so(monkeypatch):
+    import megatron.bridge.training.liveness as liveness
+
+    monkeypatch.setattr(liveness, "VERDICT_GRACE_S", 0.3)
+    world = _OneRank(monkeypatch, 2)
+    world.store.add("mbridge_liveness/0.0/failed6", 1)  # the searching rank died before its verdict
+    start = time.monotonic()
+    message = _ping(world.store, timeout=0.1)._diagnose(6, start, 0.1, RuntimeError("timeout"))
+    assert "no rank could name the lost ranks" in message and time.monotonic() - start < 5
+
+
+def test_the_searching_rank_publishes_its_verdict(monkeypatch):
+    world = _OneRank(monkeypatch, 2)
+    world.store.set("mbridge_liveness/0.0/rank0", "6")
+    message = _ping(world.store, timeout=0.2)._diagnose(6, time.monotonic(), 0.2, RuntimeError("x"))
+    assert world.store.get("mbridge_liveness/0.0/verdict6").decode() == message
+    assert "rank 1 (no ping recorded)" in message
+
+
+def test_ping_says_when_the_store_is_gone():
     class Gone:
         def add(self, *args):
             raise RuntimeError("Broken pipe")
 
     message = _ping(Gone())._diagnose(6, time.monotonic(), 0.1, RuntimeError("Connection closed by peer"))
-    assert "its host may be the lost rank" in message
+    assert "no rank could name the lost ranks (RuntimeError: Broken pipe)" in message
 
 
 def test_ping_off_does_nothing():

@@ -327,8 +327,9 @@ class HealthConfig:
     stack_dump_after: Optional[float] = None
     """Seconds a step or a save may stay open before this rank writes every thread's Python stack to its attribution
     file (``<checkpoint.save>/attribution/<attempt>/rank<N>.stacks``), so a hang leaves a record of where each rank
-    was before a timeout kills it. ``None``: half of the shortest hang timeout in force (ft section timeout,
-    ``inprocess_restart.soft_timeout``, ``liveness_ping_timeout``), off when there is none; 0: off."""
+    was before a timeout kills it. ``None``: the earliest of half the ft section timeout, half of
+    ``inprocess_restart.soft_timeout`` and, for a step, half of ``liveness_ping_timeout`` past the last step's length;
+    off when none applies. 0: off."""
 
 
 @dataclass

@@ -3,16 +3,17 @@
 While a section (``setup``, ``step``, ``checkpointing``) is open, a watchdog thread of this rank waits for its
 deadline; when the section stays open ``health.stack_dump_after`` seconds, every thread's Python stack is written
 (by ``faulthandler``) to ``<checkpoint.save>/attribution/<attempt>/rank<N>.stacks`` and one line naming the main
-thread's innermost frame is logged. The default delay is half of the shortest hang timeout in force (an ft section
-timeout, ``inprocess_restart.soft_timeout``, ``health.liveness_ping_timeout``), so the stacks are on disk before
-the monitor kills the rank. Opening and closing a section only sets a deadline (no thread start, no I/O); the
-watchdog runs whenever the main thread waits with the GIL released, as torch does in collectives and device syncs.
+thread's innermost frame is logged. The delay is derived from the hang timeouts in force (see
+``HealthConfig.stack_dump_after``), so the stacks are on disk before the monitor kills the rank. Opening and closing a
+section only sets a deadline (no thread start, no I/O); the watchdog runs whenever the main thread waits with the GIL
+released, as torch does in collectives and device syncs.
 
-An attempt is one start of the training function: ``attempt_<requeue>_<in-job restart>_<in-process iteration>``.
+An attempt is one start of the training function: ``attempt_<job>_<requeue>_<in-job restart>_<in-process iteration>``.
 At the next start, rank 0 summarizes every earlier attempt that left stack files: one log line per attempt naming each
 rank with its innermost frame (and whether it was waiting in a collective), also written to that attempt's
-``summary.txt``. A rank stopped with SIGSTOP, or killed before the delay, writes nothing but its header line.
-Files without a dump are removed when the rank shuts down normally.
+``summary.txt``; the latest dump of a rank is the one named. A rank stopped with SIGSTOP, or killed before the delay,
+writes nothing but its header line. Files are appended to, never overwritten; a file holding only this start's
+header is removed when the rank shuts down normally.
 """
 
 import faulthandler
@@ -32,14 +33,22 @@ _THREAD_RE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _COLLECTIVE_PATHS = ("torch/distributed/", "megatron/core/distributed/", "megatron/core/parallel_state")
 _POLL_S = 0.25
 """How often the watchdog looks at the deadline."""
+_COLLECTIVE_DEPTH = 2
+"""A rank waits in a collective when one of its innermost frames is in collective code (not merely below it)."""
 
 
 def attempt_name(env: Optional[dict[str, str]] = None, inprocess_iteration: int = 0) -> str:
-    """The directory name of this attempt: requeue count, in-job restart count, in-process iteration."""
+    """The attempt's name, the same on every rank: job, requeue count, in-job restart count, in-process iteration.
+
+    The job is the Slurm job id, else the launcher's run id (torchrun's ``--standalone`` draws a new one per launch),
+    else ``local``: chained jobs that share a save directory get attempts of their own.
+    """
     env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local"
+    job = re.sub(r"[^\w.-]", "_", job)
     requeue = env.get("SLURM_RESTART_COUNT", "0")
     in_job = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"attempt_{requeue}_{in_job}_{inprocess_iteration}"
+    return f"attempt_{job}_{requeue}_{in_job}_{inprocess_iteration}"
 
 
 class HangWatch:
@@ -61,16 +70,23 @@ class HangWatch:
         self.path: Optional[str] = None
         self._section: Optional[str] = None
         self._opened = 0.0
-        self._deadline: Optional[float] = None
+        self._armed: Optional[tuple[str, float, float]] = None
+        """(section, opened at, deadline) of the open section; replaced as a whole, so the watchdog reads one."""
+        self._last: dict[str, float] = {}
         self._stop = threading.Event()
         if directory is None:
             return
         self.path = os.path.join(directory, attempt, f"rank{rank}.stacks")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._file = open(self.path, "w")  # noqa: SIM115 - held open for the watchdog's dumps
-        self._file.write(f"rank {rank} pid {os.getpid()} main thread {_thread_id()}\n")  # found by summaries
+        try:  # an attempt of the same name summarized before (a run id reused): summarize again, with this one
+            os.remove(os.path.join(os.path.dirname(self.path), SUMMARY))
+        except FileNotFoundError:
+            pass
+        self._file = open(self.path, "a")  # noqa: SIM115 - held open for the watchdog's dumps; never wipe evidence
+        self._header = f"rank {rank} pid {os.getpid()} main thread {_thread_id()}\n"  # found by summaries
+        self._file.write(self._header)
         self._file.flush()
-        self._header_size = self._file.tell()
+        self._header_end = self._file.tell()
         self._thread = threading.Thread(target=self._watch, name="mbridge-hang-watch", daemon=True)
         self._thread.start()
 
@@ -80,22 +96,34 @@ class HangWatch:
             return
         delay = self._delay(section)
         self._section, self._opened = section, time.monotonic()
-        self._deadline = self._opened + delay if delay else None
+        self._armed = (section, self._opened, self._opened + delay) if delay else None
 
     def close(self) -> None:
         """The open section ended in time."""
-        self._deadline = None
+        if self._file is None:
+            return
+        self._armed = None
+        if self._section is not None:
+            self._last[self._section] = time.monotonic() - self._opened
+
+    def last_duration(self, section: str) -> float:
+        """Seconds the last closed ``section`` took (0 before the first one)."""
+        return self._last.get(section, 0.0)
 
     def shutdown(self) -> None:
         """Stop watching; remove this rank's file when nothing was dumped into it."""
         if self._file is None:
             return
-        self._deadline = None
+        self._armed = None
         self._stop.set()
         self._thread.join()
         self._file.close()
         self._file = None
-        if self.path is not None and os.path.getsize(self.path) <= self._header_size:
+        if (
+            self.path is not None
+            and os.path.getsize(self.path) <= self._header_end
+            and self._header_end == len(self._header)
+        ):  # only this start's header: nothing was dumped, and no earlier start wrote here
             os.remove(self.path)
             for folder in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
                 try:
@@ -112,16 +140,16 @@ class HangWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):
-            deadline = self._deadline
-            if deadline is None or time.monotonic() < deadline:
+            armed = self._armed
+            if armed is None or time.monotonic() < armed[2]:
                 continue
-            self._deadline = None  # one dump per open section
-            self._dump()
+            if self._armed is armed:
+                self._armed = None  # one dump per open section; a section opened meanwhile keeps its deadline
+            self._dump(armed[0], time.monotonic() - armed[1])
 
-    def _dump(self) -> None:
+    def _dump(self, section: str, waited: float) -> None:
         assert self._file is not None and self.path is not None
-        waited = time.monotonic() - self._opened
-        self._file.write(f"--- {self._section} open for {waited:.1f} s\n")
+        self._file.write(f"--- {section} open for {waited:.1f} s\n")
         self._file.flush()
         faulthandler.dump_traceback(file=self._file, all_threads=True)
         self._file.flush()
@@ -133,24 +161,29 @@ def _thread_id() -> str:
 
 
 def summarize_stack_file(path: str) -> Optional[str]:
-    """``"rank N in func (file:line)[, waiting in a collective]"`` from a stack file, or ``None`` if it has no dump."""
+    """Where the latest dump of a stack file found its rank, or ``None`` if the file holds no dump.
+
+    Returns ``"rank N in func (file:line) [section open for S s]"``, plus ``", waiting in a collective"`` when one of
+    the innermost frames is collective code.
+    """
     with open(path, errors="replace") as f:
         lines = f.read().splitlines()
-    if not lines or not lines[0].startswith("rank "):
+    starts = [i for i, line in enumerate(lines) if line.startswith("--- ")]
+    if not starts:
         return None
-    header = lines[0].split()
+    last = starts[-1]
+    headers = [line for line in lines[:last] if line.startswith("rank ")]
+    if not headers:
+        return None
+    header = headers[-1].split()
     rank, main_thread = header[1], header[-1]
-    section = ""
     frames: list[re.Match] = []
     in_main = False
-    for line in lines[1:]:
-        if line.startswith("--- ") and not frames:
-            section = line[4:]  # e.g. "step open for 3.0 s"
-            continue
+    for line in lines[last + 1 :]:
         thread = _THREAD_RE.match(line)
         if thread is not None:
             if in_main and frames:
-                break  # the first dump of the main thread is the one taken at the hang
+                break
             in_main = thread.group(1) == main_thread
             continue
         frame = _FRAME_RE.match(line)
@@ -160,9 +193,8 @@ def summarize_stack_file(path: str) -> Optional[str]:
         return None
     inner = frames[0]  # faulthandler prints the most recent call first
     where = f"rank {rank} in {inner.group('func')} ({os.path.basename(inner.group('file'))}:{inner.group('line')})"
-    if section:
-        where += f" [{section}]"
-    if any(p in f.group("file") for f in frames for p in _COLLECTIVE_PATHS):
+    where += f" [{lines[last][4:]}]"
+    if any(p in f.group("file") for f in frames[:_COLLECTIVE_DEPTH] for p in _COLLECTIVE_PATHS):
         where += ", waiting in a collective"
     return where
 

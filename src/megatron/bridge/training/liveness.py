@@ -5,8 +5,8 @@ rendezvous store (``mbridge_liveness/<attempt>/rank<N>``) and joins a one-elemen
 created with ``timeout=health.liveness_ping_timeout`` (gloo on NCCL runs too: a CPU tensor, no device sync). A peer
 that died closes its connections and the all-reduce fails at once; a peer that never arrives makes it time out. The
 first rank to notice waits, at most until the timeout, for the others to record this ping, then names every rank
-whose record is older, with its last stack when hang attribution wrote one; every rank exits
-:attr:`ExitCode.PEER_UNRESPONSIVE` (24).
+whose record is older, with its last stack when hang attribution wrote one; the other survivors wait for that verdict
+and every survivor exits :attr:`ExitCode.PEER_UNRESPONSIVE` (24) with it.
 
 Cost per ping: one store write and one 4-byte gloo all-reduce per rank. A rank that hangs inside a step's own
 collectives holds its peers in that collective before they reach the ping: ft section timeouts and hang attribution
@@ -28,6 +28,8 @@ from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+VERDICT_GRACE_S = 5.0
+"""How much longer than the searching rank's deadline the other survivors wait for its verdict."""
 
 
 class LivenessPing:
@@ -79,22 +81,30 @@ class LivenessPing:
         self._store = None
 
     def _diagnose(self, iteration: int, start: float, waited: float, err: BaseException) -> str:
-        """Name the ranks that did not record this ping by the deadline (the first rank to fail does the search)."""
+        """Name the ranks that did not record this ping by the deadline; the same message on every survivor.
+
+        The first rank to fail searches; the others wait for its verdict, so that no survivor exits first (the store's
+        host may be one of them, and a launcher stops every worker at the first exit).
+        """
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         first_line = text.split("] ", 1)[-1]  # gloo prefixes its source location: "[.../pair.cc:553] Connection..."
+        verdict = f"{self._prefix}/verdict{iteration}"
         try:
-            reporter = self._store.add(f"{self._prefix}/failed{iteration}", 1) == 1
-            if not reporter:
-                return (
-                    f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}); "
-                    "the first rank that noticed names the lost ranks"
-                )
-            missing = self._missing(iteration, deadline=start + self.timeout)
+            if self._store.add(f"{self._prefix}/failed{iteration}", 1) != 1:
+                remaining = start + self.timeout - time.monotonic() + VERDICT_GRACE_S
+                self._store.wait([verdict], datetime.timedelta(seconds=max(remaining, VERDICT_GRACE_S)))
+                return self._store.get(verdict).decode()
+            message = self._describe(iteration, waited, first_line, self._missing(iteration, start + self.timeout))
+            self._store.set(verdict, message)
+            return message
         except Exception as store_err:  # noqa: BLE001 - the store's host may be the rank that died
             return (
-                f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}); the store could "
-                f"not be read ({type(store_err).__name__}: {store_err}): its host may be the lost rank"
+                f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}); no rank could "
+                f"name the lost ranks ({type(store_err).__name__}: {store_err}): the store's host, or the rank that "
+                "searched, may be among them"
             )
+
+    def _describe(self, iteration: int, waited: float, first_line: str, missing: dict[int, Optional[int]]) -> str:
         if not missing:
             return (
                 f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}), although every "

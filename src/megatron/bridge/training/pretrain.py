@@ -90,7 +90,9 @@ def _pretrain(
     ft = FaultTolerance(cfg, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     attempt = attempt_name(inprocess_iteration=restart.iteration if restart is not None else 0)
     attribution_dir = _attribution_dir(cfg)
-    hang_watch = HangWatch(attribution_dir, attempt, rank, functools.partial(_stack_dump_delay, cfg, ft))
+    hang_watch = HangWatch(
+        attribution_dir, attempt, rank, lambda section: _stack_dump_delay(cfg, ft, hang_watch, section)
+    )
     liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is)
     ft.on_setup_start()
     hang_watch.open("setup")
@@ -220,21 +222,22 @@ def _attribution_dir(cfg: ConfigContainer) -> Optional[str]:
     return os.path.join(cfg.checkpoint.save, "attribution")
 
 
-def _stack_dump_delay(cfg: ConfigContainer, ft: FaultTolerance, section: str) -> Optional[float]:
-    """Seconds ``section`` may stay open before the stacks are dumped.
+def _stack_dump_delay(cfg: ConfigContainer, ft: FaultTolerance, watch: HangWatch, section: str) -> Optional[float]:
+    """Seconds ``section`` may stay open before the stacks are dumped (evaluated at every section start).
 
-    The configured value, or half of the shortest hang timeout that applies to the section (evaluated at every
-    section start, so learned ft timeouts count).
+    The configured value, or the earliest of: half of each hang timeout on the section's own length (an ft section
+    timeout, learned ones included; ``inprocess_restart.soft_timeout``), and for a step, half of
+    ``health.liveness_ping_timeout`` past the last step's length (the ping bounds how far ranks drift apart, not how
+    long a step takes, so a long healthy step never dumps; a rank stuck before the ping dumps before its peers give up).
     """
     if cfg.health.stack_dump_after is not None:
         return cfg.health.stack_dump_after or None
-    limits = [ft.section_timeout(section)]
+    limits = [t / 2 for t in (ft.section_timeout(section),) if t]
     if cfg.inprocess_restart.enabled and section != "setup":
-        limits.append(cfg.inprocess_restart.soft_timeout)
+        limits.append(cfg.inprocess_restart.soft_timeout / 2)
     if section == "step" and cfg.health.liveness_ping_interval:
-        limits.append(cfg.health.liveness_ping_timeout)
-    limits = [t for t in limits if t]
-    return min(limits) / 2 if limits else None
+        limits.append(cfg.health.liveness_ping_timeout / 2 + watch.last_duration("step"))
+    return min(limits) if limits else None
 
 
 class _Teardown:
