@@ -12,13 +12,18 @@ after the restart. Target (with learned timeouts): detection <= 5 x median step 
 
 import argparse
 import datetime as dt
+import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import psutil
+from _result import emit_result
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = str(REPO / "examples" / "pretrain_tiny_gpt.py")
@@ -30,8 +35,21 @@ def _times(pattern: str, log: str) -> list[dt.datetime]:
     return [dt.datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f") for m in re.findall(_TS + pattern, log)]
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (the launcher starts its workers in sessions of their own)."""
+    try:
+        procs = [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
 def _run(cmd: list[str], env_faults: str | None, timeout: float) -> tuple[str, bool]:
-    env = {"PYTHONWARNINGS": "ignore", **__import__("os").environ}
+    env = {"PYTHONWARNINGS": "ignore", **os.environ}
     if env_faults:
         env["MBRIDGE_FAULTS"] = env_faults
     proc = subprocess.Popen(
@@ -41,11 +59,7 @@ def _run(cmd: list[str], env_faults: str | None, timeout: float) -> tuple[str, b
         out, _ = proc.communicate(timeout=timeout)
         return out, True
     except subprocess.TimeoutExpired:
-        import os
-        import signal
-
-        os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run(["pkill", "-9", "-f", ENTRY], check=False)
+        _kill_tree(proc.pid)
         out, _ = proc.communicate()
         return out, False
 
@@ -106,6 +120,24 @@ def main() -> None:
     detect = ft.get("detect")
     if detect is not None:
         print(f"RATIO detection / (5 x median step + check interval) = {detect / target:.2f} (target <= 1.0)")
+    _emit(ft, base, target, args.cap)
+
+
+def _emit(ft: dict, base: dict, target: float, cap: float) -> None:
+    """The result lines: detection latency against its target, and recovery against the torchrun baseline."""
+    detect = ft.get("detect")
+    emit_result(
+        "hang_detection", "detection latency / (5 x median step + check interval)",
+        None if detect is None else detect / target, _secs(detect, "not detected") + " (ft_launcher, learned timeouts)",
+        f"{target:.2f} s (5 x {ft['median_step']:.3f} s step + {CHECK_INTERVAL:.1f} s check interval)", "<= 1.0",
+    )  # fmt: skip
+    recover, base_recover = ft.get("recover"), base.get("recover")
+    emit_result(
+        "hang_detection", "recovery after a hang: ft_launcher / torchrun --max-restarts=1",
+        None if recover is None or base_recover is None else recover / base_recover,
+        _secs(recover, "never") + " (ft_launcher)",
+        _secs(base_recover, f"never within {cap:.0f} s") + " (torchrun --max-restarts=1)",
+    )  # fmt: skip
 
 
 def _secs(value: float | None, missing: str = "n/a") -> str:

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _result import emit_result
 
 from megatron.bridge.training.config import HealthConfig
 from megatron.bridge.training.hang_attribution import HangWatch
@@ -90,6 +91,12 @@ def main() -> None:
     for name, seconds, every in rows:
         share = 100 * seconds / every / step
         print(f"| {name} | {seconds * 1e6:.1f} | {seconds / out['bare']:.2f} | {share:.4f} % |")
+    for name, seconds, every in rows[1:]:
+        emit_result(
+            "health_overhead", f"cost per step / {args.step_ms:g} ms step: {name}", seconds / every / step,
+            f"{seconds * 1e6:.1f} us per call ({seconds / out['bare']:.2f} x a bare all-reduce)",
+            f"{args.step_ms:g} ms step (bare all-reduce {out['bare'] * 1e6:.1f} us)",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _result import emit_result
+
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = str(REPO / "examples" / "pretrain_tiny_gpt.py")
 _TS = r"\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]?"
@@ -86,6 +88,10 @@ def main() -> None:
     ipr_s, job_s = statistics.median(results["in-process"]), statistics.median(results["in-job"])
     print(f"median recovery (fault -> first step after the restart): in-process {ipr_s:.2f} s, in-job {job_s:.2f} s")
     print(f"ratio in-process / in-job: {ipr_s / job_s:.2f} (target <= 0.30)")
+    emit_result(
+        "inprocess_recovery", f"in-process / in-job recovery time (median of {args.repeats})", ipr_s / job_s,
+        f"{ipr_s:.2f} s (in-process restart)", f"{job_s:.2f} s (in-job restart, ft_launcher)", "<= 0.30",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _result import emit_result
+
 REPO = Path(__file__).resolve().parents[1]
 _GLOBAL = re.compile(r"\[rank0\].*saved checkpoint at iteration (\d+) .*\(blocking ([\d.]+) s\)")
 _LOCAL = re.compile(r"\[rank0\].*saved local checkpoint at iteration (\d+) .*\(blocking ([\d.]+) s\)")
@@ -77,6 +79,10 @@ def main() -> None:
         f"{', replicated' if args.replication else ''})"
     )
     print(f"RATIO global/local blocking = {g / loc_median:.1f} (target >= 5)")
+    emit_result(
+        "local_checkpoint_save", "global / local save blocking (speed-up of the local tier)", g / loc_median,
+        f"{loc_median:.3f} s (local save)", f"{g:.3f} s (global save)", ">= 5",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _result import emit_result
+
 REPO = Path(__file__).resolve().parents[1]
 _SYNC = re.compile(r"\[rank0\].*saved checkpoint at iteration (\d+) .*\(blocking ([\d.]+) s\)")
 _SCHED = re.compile(r"\[rank0\].*Scheduling async checkpoint save at iteration (\d+) .*\(blocking ([\d.]+) s\)")
@@ -71,6 +73,10 @@ def main() -> None:
         f" + commit {statistics.median(final[i] for i in final if i != first):.3f} s)"
     )
     print(f"RATIO async/sync blocking = {a / s:.3f} (target <= 0.10)")
+    emit_result(
+        "save_blocking", "async / sync save blocking (steady state, median)", a / s,
+        f"{a:.3f} s (async save)", f"{s:.3f} s (sync save)", "<= 0.10",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _result import emit_result
 
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
@@ -135,6 +136,15 @@ def main() -> None:
         f"accounted detection cost: {accounted * 1000:.3f} ms/step = {100 * accounted / off:.3f} % of the step "
         "(target <= 1 %)"
     )
+    step = f"{off * 1000:.2f} ms/step (detection off, {args.step_ms:g} ms of compute)"
+    emit_result(
+        "straggler_overhead", "step time, detection on / off (A/B, median of pairs)", ratio,
+        f"{on * 1000:.2f} ms/step (detection on; IQR of ratio {q1:.4f}-{q3:.4f})", step,
+    )  # fmt: skip
+    emit_result(
+        "straggler_overhead", "accounted detection cost / step time", accounted / off,
+        f"{accounted * 1000:.3f} ms/step (check + reports + sections)", step, "<= 0.01",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

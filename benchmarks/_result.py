@@ -1,0 +1,142 @@
+"""The machine-readable result line every benchmark prints, one per measured ratio.
+
+A benchmark keeps its human-readable output and ends by printing, for each ratio it measured, one line made of a
+fixed prefix and a JSON object::
+
+    BENCHMARK_RESULT {"benchmark": "save_blocking", "metric": "async / sync save blocking", "ratio": 0.07,
+                      "measured": "0.012 s (async save)", "baseline": "0.171 s (sync save)", "target": "<= 0.10",
+                      "met": true}
+
+(on one line). ``benchmarks/report.py`` runs every benchmark and collects these lines into one table. Usage from a
+benchmark script (run as ``python benchmarks/NAME.py``, so this module is importable as ``_result``)::
+
+    from _result import emit_result
+
+    emit_result("save_blocking", "async / sync save blocking", a / s, f"{a:.3f} s", f"{s:.3f} s (sync)", "<= 0.10")
+
+``met`` is computed from ``target`` when it has the form ``<= X`` or ``>= X``; a target of ``"n/a"`` (no explicit
+target) gives ``met = None``. A ratio that could not be measured is passed as ``None`` and reported as not met when
+there is a target.
+"""
+
+import json
+import math
+import re
+from typing import Any
+
+PREFIX = "BENCHMARK_RESULT "
+NO_TARGET = "n/a"
+FIELDS = ("benchmark", "metric", "ratio", "measured", "baseline", "target", "met")
+_LINE = re.compile(r"^" + PREFIX.strip() + r"\s+(.*)$")
+_TARGET = re.compile(r"^\s*(<=|>=|<|>)\s*([-+]?[\d.]+(?:[eE][-+]?\d+)?)\s*$")
+
+
+def target_met(ratio: float | None, target: str) -> bool | None:
+    """Whether ``ratio`` meets ``target``.
+
+    Args:
+        ratio: The measured ratio, or None when it could not be measured.
+        target: ``"<= X"``, ``">= X"``, ``"< X"``, ``"> X"`` or ``"n/a"``.
+
+    Returns:
+        None when there is no target (or it has another form), False when the ratio is missing or not finite,
+        otherwise the comparison.
+    """
+    match = _TARGET.match(target)
+    if match is None:
+        return None
+    if ratio is None or not math.isfinite(ratio):
+        return False
+    op, bound = match.group(1), float(match.group(2))
+    return {"<=": ratio <= bound, ">=": ratio >= bound, "<": ratio < bound, ">": ratio > bound}[op]
+
+
+def _round(ratio: float | None) -> float | None:
+    """Four significant digits (JSON has no NaN or infinity: those become None)."""
+    if ratio is None or not math.isfinite(ratio):
+        return None
+    return float(f"{ratio:.4g}")
+
+
+def format_result(
+    benchmark: str,
+    metric: str,
+    ratio: float | None,
+    measured: str,
+    baseline: str,
+    target: str = NO_TARGET,
+    met: bool | None = None,
+) -> str:
+    """One result line: ``PREFIX`` followed by a JSON object with the fields of ``FIELDS``.
+
+    Args:
+        benchmark: Name of the benchmark (the script's file name without ``.py``).
+        metric: What the ratio is, e.g. ``"async / sync save blocking"``.
+        ratio: The ratio, or None when it could not be measured.
+        measured: The measured value with its unit, e.g. ``"0.012 s (async save)"``.
+        baseline: The baseline it is divided by (or divides), with its unit.
+        target: ``"<= X"``, ``">= X"`` or ``"n/a"`` when the script has no explicit target.
+        met: Whether the target is met; computed from ``target`` when None.
+
+    Returns:
+        The line, without a trailing newline.
+    """
+    if met is None:
+        met = target_met(ratio, target)
+    record = {
+        "benchmark": benchmark,
+        "metric": metric,
+        "ratio": _round(ratio),
+        "measured": measured,
+        "baseline": baseline,
+        "target": target,
+        "met": met,
+    }
+    return PREFIX + json.dumps(record)
+
+
+def emit_result(
+    benchmark: str,
+    metric: str,
+    ratio: float | None,
+    measured: str,
+    baseline: str,
+    target: str = NO_TARGET,
+    met: bool | None = None,
+) -> None:
+    """Print the result line of :func:`format_result` to stdout (flushed)."""
+    print(format_result(benchmark, metric, ratio, measured, baseline, target, met), flush=True)
+
+
+def parse_result(line: str) -> dict[str, Any] | None:
+    """The record of one result line, or None when ``line`` is not one.
+
+    Args:
+        line: A line of a benchmark's stdout (surrounding whitespace is ignored).
+
+    Returns:
+        The record with every field of ``FIELDS`` (missing optional ones filled in), or None when the line does
+        not start with ``PREFIX``.
+
+    Raises:
+        ValueError: The line starts with ``PREFIX`` but its JSON is invalid or lacks ``benchmark`` or ``metric``.
+    """
+    match = _LINE.match(line.strip())
+    if match is None:
+        return None
+    payload = match.group(1)
+    try:
+        record = json.loads(payload)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON in result line: {payload[:200]!r}") from exc
+    if not isinstance(record, dict) or not record.get("benchmark") or not record.get("metric"):
+        raise ValueError(f"result line lacks 'benchmark' or 'metric': {payload[:200]!r}")
+    ratio = record.get("ratio")
+    if ratio is not None and not isinstance(ratio, int | float):
+        raise ValueError(f"result line has a non-numeric ratio: {payload[:200]!r}")
+    record.setdefault("ratio", None)
+    for key in ("measured", "baseline"):
+        record.setdefault(key, "")
+    record.setdefault("target", NO_TARGET)
+    record.setdefault("met", None)
+    return {key: record[key] for key in FIELDS}
