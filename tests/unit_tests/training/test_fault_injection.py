@@ -107,3 +107,44 @@ def test_persistent_spike_corrupts_every_pass_in_every_attempt(monkeypatch):
     assert step()[0].tolist() == [40.0] * 3
     faults.before_step(3)
     assert step()[0].tolist() == [1.0] * 3
+
+
+def test_ledger_makes_each_fault_strike_once_per_job(tmp_path, monkeypatch):
+    ledger = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(fault_injection.ENV, "exception@3:0,exception@5:0,exception@4:1")
+    monkeypatch.setenv(fault_injection.LEDGER_ENV, str(ledger))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = StepFaults(rank=0)
+    first.before_step(2)
+    with pytest.raises(RuntimeError, match="iteration 3"):
+        first.before_step(3)
+    records = fault_injection.struck_faults(str(ledger))
+    assert [(r["kind"], r["iteration"], r["rank"], r["restart_count"]) for r in records] == [("exception", 3, 0, 0)]
+    assert abs(records[0]["time"] - time.time()) < 60
+    # The restarted attempt goes through iteration 3 again without a fault, and still meets the one at 5.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    again = StepFaults(rank=0)
+    again.before_step(3)
+    with pytest.raises(RuntimeError, match="iteration 5"):
+        again.before_step(5)
+    assert [r["iteration"] for r in fault_injection.struck_faults(str(ledger))] == [3, 5]
+
+
+def test_ledger_tolerates_a_line_cut_short(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"kind": "kill", "iteration": 3, "rank": 1, "time": 1.0}\n{"kind": "ha')
+    assert [r["kind"] for r in fault_injection.struck_faults(str(ledger))] == ["kill"]
+    assert fault_injection.struck_faults(str(tmp_path / "absent.jsonl")) == []
+
+
+def test_ledger_records_a_value_fault_once(tmp_path, monkeypatch):
+    ledger = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(fault_injection.ENV, "nan@2:0")
+    monkeypatch.setenv(fault_injection.LEDGER_ENV, str(ledger))
+    faults = StepFaults(rank=0)
+    step = faults.wrap_forward_step(lambda: (torch.ones(2), None))
+    faults.before_step(2)
+    assert torch.isnan(step()[0]).all()
+    assert torch.equal(step()[0], torch.ones(2))  # the re-run pass computes the true value
+    assert len(fault_injection.struck_faults(str(ledger))) == 1
+    assert StepFaults(rank=0).wrap_forward_step(step) is step  # struck already: a restart gets no fault

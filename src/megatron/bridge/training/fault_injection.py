@@ -13,13 +13,17 @@ forward output, hence its loss and gradients, becomes NaN) or ``spike`` (its for
 
 A fault strikes when the given rank *starts* that iteration, in the first attempt of a job only
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0, and the first in-process restart iteration) unless ``always`` is given,
-so that a restarted job can recover.
+so that a restarted job can recover. With ``MBRIDGE_FAULTS_LEDGER=<file>`` a fault strikes instead the first time
+any attempt reaches it: the rank appends a JSON line (kind, iteration, rank, wall-clock time, pid, restart count) to
+that file just before striking, and later attempts skip what the file lists. A schedule can then span restarts (a
+drill kills a rank, and after the restart hangs another), and the file says when each fault struck.
 ``nan`` and ``spike`` corrupt only the first forward pass of the iteration (a re-run of the step computes the true
 value: a transient fault); with ``always`` every pass of that iteration in every attempt is corrupted (a
 reproducible fault).
 """
 
 import functools
+import json
 import logging
 import os
 import signal
@@ -31,6 +35,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 ENV = "MBRIDGE_FAULTS"
+LEDGER_ENV = "MBRIDGE_FAULTS_LEDGER"
 KINDS = ("hang", "kill", "exception", "sigterm", "sigterm-tree", "stall", "slow", "nan", "spike")
 _SCALED = ("slow", "spike")
 """Kinds that take ``x<factor>``."""
@@ -80,6 +85,43 @@ def parse(spec: str) -> list[Fault]:
             ) from None
         faults.append(Fault(kind, iteration, rank, always, factors[0] if factors else None))
     return faults
+
+
+def struck_faults(ledger: str) -> list[dict[str, Any]]:
+    """The records of a ``MBRIDGE_FAULTS_LEDGER`` file, oldest first (none if it does not exist yet)."""
+    try:
+        with open(ledger) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill mid-write: that strike is still in the log
+            continue
+    return records
+
+
+def _record_strike(fault: Fault) -> None:
+    """Append ``fault`` to the ledger (when one is set), durably, before it strikes."""
+    ledger = os.environ.get(LEDGER_ENV)
+    if not ledger:
+        return
+    record = {
+        "kind": fault.kind,
+        "iteration": fault.iteration,
+        "rank": fault.rank,
+        "time": time.time(),
+        "pid": os.getpid(),
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
+    fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -132,9 +174,15 @@ class StepFaults:
     """The faults scheduled for this rank, checked at the start of every iteration."""
 
     def __init__(self, rank: int, inprocess_iteration: int = 0) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
-        mine = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and (f.always or first_attempt)]
-        self._at = {f.iteration: f.kind for f in mine if f.kind not in ("slow", *_VALUE_KINDS)}
+        ledger = os.environ.get(LEDGER_ENV)
+        if ledger:
+            done = {(r["kind"], r["iteration"], r["rank"]) for r in struck_faults(ledger)}
+            due = lambda f: (f.kind, f.iteration, f.rank) not in done  # noqa: E731
+        else:
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
+            due = lambda f: first_attempt  # noqa: E731
+        mine = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and (f.always or due(f))]
+        self._at = {f.iteration: f for f in mine if f.kind not in ("slow", *_VALUE_KINDS)}
         self._values = {f.iteration: f for f in mine if f.kind in _VALUE_KINDS}
         self._slow: Optional[Fault] = next((f for f in mine if f.kind == "slow"), None)
         self._slow_now = False
@@ -146,11 +194,13 @@ class StepFaults:
         self._iteration = iteration
         if self._slow is not None and iteration >= self._slow.iteration and not self._slow_now:
             factor = self._slow.factor or 2.0
+            _record_strike(self._slow)
             logger.error("fault injection: forward steps %.1fx slower from iteration %d", factor, iteration)
             self._slow_now = True
-        kind = self._at.get(iteration)
-        if kind is not None:
-            strike(kind, f"iteration {iteration}")
+        fault = self._at.get(iteration)
+        if fault is not None:
+            _record_strike(fault)
+            strike(fault.kind, f"iteration {iteration}")
 
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
         """``forward_step`` with the scheduled ``slow``, ``nan`` and ``spike`` faults (unchanged without any)."""
@@ -173,6 +223,8 @@ class StepFaults:
         fault = self._values.get(self._iteration)
         if fault is None or (not fault.always and self._iteration in self._value_struck):
             return output
+        if self._iteration not in self._value_struck:
+            _record_strike(fault)
         self._value_struck.add(self._iteration)
         value = float("nan") if fault.kind == "nan" else (fault.factor or 100.0)
         logger.error(
