@@ -193,6 +193,7 @@ def checkpoint_state(ckpt_dir: Path) -> dict[str, Any]:
         dcp_to_torch_save(str(ckpt_dir), flat_path)
         sharded = torch.load(flat_path, weights_only=False)
     common = torch.load(ckpt_dir / "common.pt", weights_only=True)
+    common.pop("goodput", None)  # wall-clock accounting: differs between runs that train identically
     return {**_flatten(sharded, "sharded."), **_flatten(common, "common.")}
 
 

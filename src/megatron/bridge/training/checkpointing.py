@@ -98,12 +98,14 @@ def _sharded_state_dict(
     state: TrainState,
     rng_bytes: Optional[int] = None,
     rank_extra: Optional[dict] = None,
+    common_extra: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds; ``rng_bytes`` is ``None`` when saving and the stored blob length when loading.
 
     RNG states differ per rank, so each rank stores its own as one row of a ``(world, rng_bytes)`` uint8 tensor
     (a tensor, unlike a pickled object, loads without unpickling arbitrary code). ``rank_extra`` (plain values, per
-    rank, e.g. the re-run state machine's state) travels in the same row.
+    rank, e.g. the re-run state machine's state) travels in the same row. ``common_extra``: more top-level entries of
+    plain values for the common part (e.g. goodput accounting).
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -116,6 +118,7 @@ def _sharded_state_dict(
         rng_row = rng_blob_to_tensor(payload, rng_bytes)
     model_sd = _unwrap(model).sharded_state_dict()
     return {
+        **(common_extra or {}),
         "checkpoint_version": CHECKPOINT_VERSION,
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -194,10 +197,16 @@ class CheckpointManager:
 
     Args:
         cfg: the checkpoint section of the run's config.
+        common_extra: entries added to the common part of every checkpoint, global and local tier: name -> a
+            function returning plain values, called at each save. Their values may differ between ranks and runs
+            (rank 0's are in a global checkpoint); :attr:`loaded_common_extra` holds them after a load.
     """
 
-    def __init__(self, cfg: CheckpointConfig) -> None:
+    def __init__(self, cfg: CheckpointConfig, common_extra: Optional[dict[str, Callable[[], Any]]] = None) -> None:
         self.cfg = cfg
+        self._common_extra = dict(common_extra or {})
+        self.loaded_common_extra: dict[str, Any] = {}
+        """The ``common_extra`` entries of the checkpoint :meth:`load` loaded (an entry it lacks is absent)."""
         self._queue = None
         self._pending: Optional[int] = None  # iteration of the async save in flight
         self.last_blocking_seconds: float = 0.0
@@ -267,7 +276,9 @@ class CheckpointManager:
         attempt = f"{self._run_id}-{self._saves}"
         tmp = layout.tmp_dir(root, iteration, attempt)
         os.makedirs(tmp, exist_ok=True)  # every rank, before it writes: no barrier needed
-        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rank_extra=rank_extra)
+        sharded_sd = _sharded_state_dict(
+            model, optimizer, scheduler, state, rank_extra=rank_extra, common_extra=self._extras()
+        )
         request = dist_checkpointing.save(
             sharded_sd,
             tmp,
@@ -275,6 +286,10 @@ class CheckpointManager:
             # The sharding layout cannot change within a run: check it (a collective) on the first save only.
             validate_access_integrity=self._saves == 1,
             async_sharded_save=self._queue is not None,
+            # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
+            preprocess_common_before_consistancy_check=lambda common: {
+                k: v for k, v in common.items() if k not in self._common_extra
+            },
         )
         if self._queue is None:
             self._commit(iteration, attempt)
@@ -316,7 +331,11 @@ class CheckpointManager:
     def save_local(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
         """Save the current state into the local tier (same content as a global checkpoint)."""
         assert self.local is not None, "validate() guarantees the local tier when a local save is due"
-        self.local.save(_sharded_state_dict(model, optimizer, scheduler, state), state.iteration)
+        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
+        self.local.save(sharded_sd, state.iteration, common_extra=self._extras())
+
+    def _extras(self) -> dict[str, Any]:
+        return {name: provide() for name, provide in self._common_extra.items()}
 
     def finalize(self, blocking: bool = False) -> None:
         """Commit a finished async save; with ``blocking``, wait for it. Call on every rank at the same step."""
@@ -484,6 +503,7 @@ class CheckpointManager:
         self, common: dict, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
     ) -> dict[str, Any]:
         """The sharded state dict to load a checkpoint with this ``common`` part into (any tier)."""
+        self.loaded_common_extra = {name: common[name] for name in self._common_extra if name in common}
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
         if int(common.get("rng_world_size", _world())) != _world():
             # Per-rank generator states cannot be mapped onto another world size: keep this run's fresh seeds.

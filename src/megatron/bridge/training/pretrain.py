@@ -18,6 +18,8 @@ from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
+from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
+from megatron.bridge.training.goodput import GoodputTracker, process_start_time
 from megatron.bridge.training.hang_attribution import HangWatch, attempt_name, summarize_earlier_attempts
 from megatron.bridge.training.initialize import (
     abort_distributed,
@@ -94,6 +96,9 @@ def _pretrain(
         attribution_dir, attempt, rank, lambda section: _stack_dump_delay(cfg, ft, hang_watch, section)
     )
     liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is)
+    # Goodput: an in-process restart iteration is an attempt of its own, from now; the first, from the process start.
+    attempt_start = start_time if restart is not None and restart.iteration > 0 else process_start_time()
+    goodput = GoodputTracker(_job_id(), attempt, attempt_start, cfg.checkpoint.save, rank)
     ft.on_setup_start()
     hang_watch.open("setup")
     checkpoints = metrics = ctx = None
@@ -127,7 +132,7 @@ def _pretrain(
             summarize_earlier_attempts(attribution_dir, attempt)
         liveness.setup()
         straggler.initialize()
-        checkpoints = CheckpointManager(cfg.checkpoint)
+        checkpoints = CheckpointManager(cfg.checkpoint, common_extra={GOODPUT_ENTRY: goodput.snapshot})
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
         set_seeds(cfg.rng.seed)
         init_rerun_state(cfg)
@@ -138,6 +143,9 @@ def _pretrain(
         state = TrainState()
         checkpoints.load(model, optimizer, scheduler, state)
         rerun.import_state(checkpoints.loaded_rank_extra)
+        goodput.resume(
+            checkpoints.loaded_common_extra.get(GOODPUT_ENTRY), state.iteration, checkpoints.resumed["tier"] is not None
+        )
         if dist.get_rank() == 0:
             ckpt = cfg.checkpoint
             info = job_info.collect(
@@ -183,6 +191,7 @@ def _pretrain(
             rerun=rerun,
             hang_watch=hang_watch,
             liveness=liveness,
+            goodput=goodput,
             start_time=start_time,
             **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default
         )
@@ -191,10 +200,12 @@ def _pretrain(
         code, reason = train(ctx)
         ft.on_checkpoint_start()  # waiting for the last async save is checkpointing time, not a hang
         hang_watch.open("checkpointing")
-        checkpoints.close()
+        with goodput.saving():
+            checkpoints.close()
         ft.on_checkpoint_end()
         hang_watch.close()
         ft.on_train_end(code)
+        goodput.finish(state.iteration, f"{code.name} (exit code {int(code)})")
         if rerun.transient_errors:
             logger.warning(
                 "re-run state machine: %d transient fault(s) detected; each step was re-run and training went on",
@@ -202,15 +213,31 @@ def _pretrain(
             )
         logger.info("training stopped at iteration %d: %s (exit code %d)", state.iteration, reason, int(code))
         return code
-    except BaseException:
+    except BaseException as err:
         if checkpoints is not None:
             checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
         abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)
+        _finish_goodput_unwinding(goodput, err)
         raise
     finally:
         # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
         # restart into this thread. A step the restart interrupts runs again in the wrapper's finalize step.
         teardown()
+
+
+def _job_id() -> str:
+    """The job's identity for goodput: the Slurm job id, else the launcher's run id, else ``local``."""
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+
+
+def _finish_goodput_unwinding(goodput: GoodputTracker, err: BaseException) -> None:
+    """Best effort: the goodput summary of an attempt that is ending with an exception."""
+    code = getattr(err, "exit_code", None)
+    try:
+        ended = f"{code.name} (exit code {int(code)})" if code is not None else type(err).__name__
+        goodput.finish(None, ended, failed=True)
+    except Exception:  # noqa: BLE001 - accounting must not hide the error being raised
+        logger.warning("goodput: no summary for this attempt", exc_info=True)
 
 
 def _attribution_dir(cfg: ConfigContainer) -> Optional[str]:

@@ -2,20 +2,23 @@
 
 Order of events in one iteration (features hook in at these moments, with their logic in their own modules):
 
-1. fault tolerance: open the ``step`` section (everything up to 6 is inside it; hang attribution dumps this
-   rank's stacks if it stays open too long); fault drills strike here; the liveness ping, when due;
-2. commit async checkpoint saves that finished on every rank;
+1. goodput: the first step ends this attempt's start-up; fault tolerance: open the ``step`` section (everything up
+   to 6 is inside it; hang attribution dumps this rank's stacks if it stays open too long); fault drills strike
+   here; the liveness ping, when due;
+2. commit async checkpoint saves that finished on every rank (goodput counts the wait as ``checkpoint_save``);
 3. forward and backward over the micro-batches (timed by straggler detection), once or, when the re-run state
    machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
    checkpoint; a bad loss soon after a local-tier load stops with 23 instead, that checkpoint deleted); optimizer and
-   scheduler step;
-4. log metrics;
+   scheduler step; goodput counts the step time as productive when the update was applied (re-run passes and steps
+   not applied as ``rerun``);
+4. log metrics; goodput rewrites its progress record and logs its scalars;
 5. straggler detection: count the step; when a report is due, all ranks score each other (may ask to stop);
 6. decide whether to stop (end of training, exit signal on any rank, straggler, ``exit_interval``,
    ``exit_duration_in_mins``); on a signal, start the stop deadline; close ``step``; report progress (in-process
    restart's watchdog);
 7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops, or
-   else a local-tier checkpoint when its interval is reached (a global save is never replaced by a local one), and
+   else a local-tier checkpoint when its interval is reached (a global save is never replaced by a local one; both
+   carry goodput's ledger, which counts the save as ``checkpoint_save`` and then rewrites its progress record), and
    report progress again;
 8. stop with the exit code of the reason.
 """
@@ -34,6 +37,7 @@ from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultTolerance
+from megatron.bridge.training.goodput import GoodputTracker
 from megatron.bridge.training.hang_attribution import HangWatch
 from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
@@ -65,6 +69,7 @@ class TrainContext:
     rerun: RerunController
     hang_watch: HangWatch
     liveness: LivenessPing
+    goodput: GoodputTracker
     start_time: float
     report_progress: Callable[[], None] = lambda: None
     """Called after every completed step and save: in-process restart's progress watchdog declares a rank that
@@ -86,7 +91,10 @@ def train_step(ctx: TrainContext, log_this_step: bool) -> tuple[dict[str, float]
     num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
     start = time.perf_counter()
     losses: list[dict] = []
-    for _ in ctx.rerun.passes(ctx.data_iterator, ctx.state.iteration):
+    rerun_from: Optional[float] = None
+    for n in ctx.rerun.passes(ctx.data_iterator, ctx.state.iteration):
+        if n == 1:
+            rerun_from = time.perf_counter()  # the passes after the first are goodput's ``rerun`` time
         ctx.model.zero_grad_buffer()
         ctx.optimizer.zero_grad()
         losses = get_forward_backward_func()(
@@ -98,6 +106,8 @@ def train_step(ctx: TrainContext, log_this_step: bool) -> tuple[dict[str, float]
             micro_batch_size=cfg.train.micro_batch_size,
             forward_only=False,
         )
+    if rerun_from is not None:
+        ctx.goodput.add_rerun(time.perf_counter() - rerun_from)
     verdict = ctx.rerun.end_step(ctx.state.iteration, losses)
     metrics: dict[str, float] = {"grad norm": float("nan"), "lr": ctx.scheduler.get_lr(ctx.optimizer.param_groups[0])}
     if verdict.apply:
@@ -185,7 +195,10 @@ def stop_before_step(ctx: TrainContext, verdict: StepVerdict) -> tuple[ExitCode,
     if verdict.checkpoint == "force" or (verdict.checkpoint == "if_due" and _should_save(ctx, stopping=True)):
         ctx.ft.on_checkpoint_start()
         ctx.hang_watch.open("checkpointing")
-        ctx.checkpoints.save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, rank_extra=ctx.rerun.export_state())
+        with ctx.goodput.saving(ctx.state.iteration):
+            ctx.checkpoints.save(
+                ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, rank_extra=ctx.rerun.export_state()
+            )
         ctx.ft.on_checkpoint_end()
         ctx.hang_watch.close()
     return verdict.stop
@@ -217,14 +230,17 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         return ExitCode.FINISHED, f"checkpoint is already at train.train_iters={cfg.train.train_iters}"
     ctx.model.train()
     while True:
+        ctx.goodput.step_start()  # the first one ends this attempt's start-up
         ctx.ft.on_step_start()
         ctx.hang_watch.open("step")
         ctx.faults.before_step(ctx.state.iteration + 1)
         ctx.liveness.maybe_ping(ctx.state.iteration + 1)  # before any collective of the step, a save commit too
-        ctx.checkpoints.finalize(blocking=False)
+        with ctx.goodput.saving():
+            ctx.checkpoints.finalize(blocking=False)
         log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
         with ctx.straggler.step_section():
             metrics, verdict = train_step(ctx, log_this_step)
+        ctx.goodput.step_end(metrics["step time"], kept=verdict.apply)  # productive, or else ``rerun`` time
         if verdict.skipped or verdict.stop is not None:
             blamed = ctx.checkpoints.blame_local_tier(ctx.state.iteration + 1)
             if blamed is not None:  # the state came from a suspect local checkpoint: save nothing of it
@@ -237,6 +253,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         ctx.state.consumed_train_samples += cfg.train.global_batch_size
         if log_this_step:
             ctx.metrics.log_step(ctx.state.iteration, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
+            ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.iteration), ctx.state.iteration)
         straggler_stop = check_nvrx_straggler_detection(ctx)
         stop = exit_condition(ctx, straggler_stop)
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
@@ -248,7 +265,8 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         if save is not None:
             ctx.ft.on_checkpoint_start()
             ctx.hang_watch.open("checkpointing")
-            save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
+            with ctx.goodput.saving(ctx.state.iteration):
+                save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
             ctx.ft.on_checkpoint_end()
             ctx.hang_watch.close()
             ctx.report_progress()  # a save longer than inprocess_restart.soft_timeout is taken for a hang

@@ -323,8 +323,12 @@ class LocalTier:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, sharded_state_dict: dict, iteration: int) -> None:
-        """Save ``sharded_state_dict`` as the local checkpoint of ``iteration`` (in the background with async)."""
+    def save(self, sharded_state_dict: dict, iteration: int, common_extra: Optional[dict] = None) -> None:
+        """Save ``sharded_state_dict`` as the local checkpoint of ``iteration`` (in the background with async).
+
+        ``common_extra``: entries for the common part that may differ between ranks (added after megatron-core's
+        cross-rank comparison of the common part).
+        """
         from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
         if self._pending is not None:
@@ -333,6 +337,7 @@ class LocalTier:
         tasd, self._distribution = MCoreTensorAwareStateDict.from_state_dict(
             sharded_state_dict, algo=self.algo, parallelization_group=self.group, cached_metadata=self._distribution
         )
+        tasd.common.update(common_extra or {})
         _prepare_tensors(tasd, replicating=self.manager.repl_strategy is not None)
         _poison_for_drills(tasd, iteration)
         rank = dist.get_rank() if dist.is_initialized() else 0
