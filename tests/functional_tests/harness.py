@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from megatron.bridge.training.checkpoint import compare
+
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "examples" / "pretrain_tiny_gpt.py"
 _LOSS_RE = re.compile(r"\[rank0\].* iteration (\d+)/\d+ \| consumed samples \d+ \| lm loss (\S+) \|")
@@ -170,31 +172,9 @@ def without_launcher(
     return RankRuns(codes, outputs)
 
 
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out = {}
-        for key, value in obj.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    if isinstance(obj, (list, tuple)):
-        out = {}
-        for i, value in enumerate(obj):
-            out.update(_flatten(value, f"{prefix}{i}."))
-        return out
-    return {prefix.rstrip("."): obj}
-
-
 def checkpoint_state(ckpt_dir: Path) -> dict[str, Any]:
     """Every tensor and value of a committed checkpoint (model, optimizer, RNG, scheduler, progress), flat."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        flat_path = os.path.join(tmp, "flat.pt")
-        dcp_to_torch_save(str(ckpt_dir), flat_path)
-        sharded = torch.load(flat_path, weights_only=False)
-    common = torch.load(ckpt_dir / "common.pt", weights_only=True)
-    common.pop("goodput", None)  # wall-clock accounting: differs between runs that train identically
-    return {**_flatten(sharded, "sharded."), **_flatten(common, "common.")}
+    return compare.checkpoint_state(ckpt_dir)
 
 
 def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:

@@ -9,7 +9,6 @@ import re
 
 import torch
 from tests.functional_tests.harness import (
-    _flatten,
     assert_same_state,
     checkpoint_state,
     ft_launcher,
@@ -17,6 +16,7 @@ from tests.functional_tests.harness import (
     torchrun,
 )
 
+from megatron.bridge.training.checkpoint.compare import flatten as _flatten
 from megatron.bridge.training.rng import rng_state_from_tensor
 
 VALIDATE = "rerun_state_machine.rerun_mode=validate_results"

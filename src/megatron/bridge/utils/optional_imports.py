@@ -4,6 +4,7 @@ from typing import Any
 
 _EXTRAS = {
     "torch.utils.tensorboard": "logging",
+    "matplotlib": "logging",
     "nemo_run": "recipes",
 }
 

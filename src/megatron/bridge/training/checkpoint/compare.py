@@ -16,16 +16,17 @@ NOT_TRAINING_STATE = ("goodput",)
 """Top-level entries of a checkpoint's common part that differ between equal runs (timing, not state)."""
 
 
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts and lists as one flat dict keyed by dotted paths (``prefix`` first)."""
     if isinstance(obj, dict):
         out: dict[str, Any] = {}
         for key, value in obj.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         return out
     if isinstance(obj, (list, tuple)):
         out = {}
         for i, value in enumerate(obj):
-            out.update(_flatten(value, f"{prefix}{i}."))
+            out.update(flatten(value, f"{prefix}{i}."))
         return out
     return {prefix.rstrip("."): obj}
 
@@ -45,7 +46,7 @@ def checkpoint_state(ckpt_dir: Path) -> dict[str, Any]:
         sharded = torch.load(flat_path, weights_only=False)
     common = torch.load(ckpt_dir / "common.pt", weights_only=True)
     common = {k: v for k, v in common.items() if k not in NOT_TRAINING_STATE}
-    return {**_flatten(sharded, "sharded."), **_flatten(common, "common.")}
+    return {**flatten(sharded, "sharded."), **flatten(common, "common.")}
 
 
 def differences(a: dict[str, Any], b: dict[str, Any], limit: int = 20) -> list[str]:

@@ -1,0 +1,222 @@
+"""``python -m megatron.bridge.drill``: the resiliency drill from the command line.
+
+    python -m megatron.bridge.drill [--faults default|none|<schedule>] [--train-iters 100] [--run-dir runs/main_job]
+        [--no-reference] [-- <dotted overrides for both runs>]
+
+Exit code 0 when the job finished, every fault was detected and recovered, and the final state equals the
+fault-free run's; 1 otherwise; 2 for a bad schedule or argument.
+"""
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from megatron.bridge.drill import events, report, runner, schedule
+from megatron.bridge.drill.schedule import DrillFault, Plan
+
+logger = logging.getLogger(__name__)
+
+ENTRY = Path(__file__).resolve().parents[4] / "examples" / "pretrain_tiny_gpt.py"
+"""The tiny GPT recipe's entry script (the drill runs from a source checkout)."""
+
+
+def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    overrides: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, overrides = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(prog="python -m megatron.bridge.drill", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--faults",
+        default="default",
+        help=f"<kind>@<iteration>:<rank>[:x<factor>],... with kind in {', '.join(schedule.KINDS)} (x<factor>: slow "
+        f"only); 'default' ({schedule.DEFAULT}) or 'none'",
+    )
+    p.add_argument("--train-iters", type=int, default=100)
+    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/main_job"), help="emptied first")
+    p.add_argument("--save-interval", type=int, default=20, help="global (async) checkpoints")
+    p.add_argument("--local-interval", type=int, default=5, help="local-tier checkpoints")
+    p.add_argument("--max-restarts", type=int, default=None, help="default: restarting faults + 2")
+    p.add_argument("--step-timeout", type=float, default=10.0, help="ft step timeout until one is learned (s)")
+    p.add_argument("--timeout", type=float, default=1200.0, help="kill a run after this many seconds")
+    p.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no equality check)")
+    return p.parse_args(argv), overrides
+
+
+def _ft_launcher() -> str:
+    beside = Path(sys.executable).parent / "ft_launcher"
+    found = str(beside) if beside.exists() else shutil.which("ft_launcher")
+    if found is None:
+        raise SystemExit("ft_launcher not found: install nvidia-resiliency-ext (bash scripts/setup_env.sh)")
+    return found
+
+
+def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -> list[str]:
+    """Every resiliency feature on (in-process restart excepted: it is an alternative to in-job restart).
+
+    Straggler detection stops the job on a rank scoring below 0.3 against the fastest one; the score against a
+    rank's own history is off, because on a shared CPU machine it follows the machine's load (healthy ranks fell to
+    0.24 while other jobs ran), and a false stop costs a restart.
+    """
+    return [
+        f"train.train_iters={args.train_iters}",
+        f"checkpoint.save={run / 'checkpoints'}", f"checkpoint.load={run / 'checkpoints'}",
+        f"checkpoint.save_interval={args.save_interval}", "checkpoint.async_save=true", "checkpoint.most_recent_k=-1",
+        f"checkpoint.non_persistent_save_interval={args.local_interval}", "checkpoint.non_persistent_ckpt_type=local",
+        f"checkpoint.non_persistent_local_ckpt_dir={run / 'local'}",
+        "ft.enable_ft_package=true", "ft.calc_ft_timeouts=true",
+        "rerun_state_machine.rerun_mode=validate_results",
+        "nvrx_straggler.enabled=true", "nvrx_straggler.report_time_interval=1", "nvrx_straggler.stop_if_detected=true",
+        "nvrx_straggler.gpu_relative_perf_threshold=0.3", "nvrx_straggler.calc_individual_gpu_perf=false",
+        "train.exit_signal_handler=true",
+        "health.liveness_ping_interval=10", "health.liveness_ping_timeout=30",
+        "logger.log_interval=1", f"logger.tensorboard_dir={tensorboard}",
+    ]  # fmt: skip
+
+
+def _train(
+    args: argparse.Namespace,
+    run: Path,
+    label: str,
+    faults: list[DrillFault],
+    overrides: list[str],
+    max_restarts: int,
+) -> tuple[int, float, str]:
+    """One training job under ft_launcher; returns (exit code, wall seconds, log text)."""
+    run.mkdir(parents=True, exist_ok=True)
+    ledger = run / "fault_ledger.jsonl"
+    cmd = [
+        _ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+        f"--max-restarts={max_restarts}",
+        f"--ft-rank-section-timeouts=setup:300,step:{args.step_timeout:g},checkpointing:120",
+        "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1",
+        str(ENTRY), *training_overrides(args, run, args.run_dir / "tensorboard" / label), *overrides,
+    ]  # fmt: skip
+    start = time.time()
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "GROUP_RANK": os.environ.get("GROUP_RANK", "0"),
+        "MBRIDGE_FAULTS": schedule.worker_faults(faults),
+        "MBRIDGE_FAULTS_LEDGER": str(ledger),
+        "MBRIDGE_JOB_START_TIME": f"{start:.3f}",
+        "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning"),
+    }
+    corrupter = runner.LocalCheckpointCorrupter(faults, run / "local", ledger)
+    log_path = run / "train.log"
+    code = runner.launch_and_watch(cmd, env, log_path, corrupter, args.timeout, label)
+    return code, time.time() - start, log_path.read_text(errors="replace")
+
+
+def _ledger(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _compare(reference: Path, drill: Path) -> tuple[Optional[bool], list[str], int]:
+    from megatron.bridge.training.checkpoint import compare
+
+    for path in (reference, drill):
+        if not (path / "common.pt").exists():
+            return False, [f"{path} holds no committed checkpoint"], 0
+    a, b = compare.checkpoint_state(reference), compare.checkpoint_state(drill)
+    diffs = compare.differences(a, b)
+    return not diffs, diffs, compare.tensor_count(a)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the drill; return its exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, overrides = _args(sys.argv[1:] if argv is None else argv)
+    try:
+        faults = schedule.parse(args.faults)
+        restarting = sum(f.kind in schedule.RESTARTING for f in faults)
+        max_restarts = args.max_restarts if args.max_restarts is not None else restarting + 2
+        plan = Plan(args.train_iters, args.nproc, args.save_interval, args.local_interval, max_restarts)
+        schedule.check(faults, plan)
+    except ValueError as err:
+        print(f"drill: {err}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    print(f"[drill] {args.nproc} ranks, {args.train_iters} iterations under ft_launcher, every feature on")
+    print(f"[drill] faults: {', '.join(f.label for f in faults) or 'none'}; max restarts {max_restarts}")
+    reference_wall, reference_timeline = None, None
+    if not args.no_reference:
+        print("[drill] 1/2: the fault-free reference run (same seed, same features)", flush=True)
+        code, reference_wall, text = _train(args, run_dir / "reference", "reference", [], overrides, max_restarts)
+        if code != 0:
+            print(f"[drill] the reference run failed (exit {code}); see {run_dir / 'reference' / 'train.log'}")
+            return 1
+        reference_timeline = events.parse_log(text)
+    print("[drill] 2/2: the run with faults", flush=True)
+    code, wall, text = _train(args, run_dir, "drill", faults, overrides, max_restarts)
+    timeline = events.parse_log(text)
+    found = events.outcomes(timeline, faults, _ledger(run_dir / "fault_ledger.jsonl"))
+    final = f"iter_{args.train_iters:07d}"
+    equal, diffs, count = (None, [], 0)
+    if reference_timeline is not None:
+        equal, diffs, count = _compare(run_dir / "reference" / "checkpoints" / final, run_dir / "checkpoints" / final)
+    summary = run_dir / "checkpoints" / "goodput" / "summary.json"
+    reference_summary = run_dir / "reference" / "checkpoints" / "goodput" / "summary.json"
+    result = report.DrillResult(
+        outcomes=found,
+        timeline=timeline,
+        exit_code=code,
+        wall_s=wall,
+        reference_wall_s=reference_wall,
+        goodput=json.loads(summary.read_text()) if summary.exists() else None,
+        equal=equal,
+        differences=diffs,
+        tensors_compared=count,
+        unexplained_restarts=events.unexplained_restarts(timeline, found),
+        final_iteration=max((it for _, it, _ in timeline.steps), default=None),
+        reference_goodput=json.loads(reference_summary.read_text()) if reference_summary.exists() else None,
+    )
+    return _finish(result, run_dir, reference_timeline)
+
+
+def _finish(result: report.DrillResult, run_dir: Path, reference: Optional[events.Timeline]) -> int:
+    from megatron.bridge.drill import plot
+
+    text = "\n".join(
+        [
+            "",
+            "## Resiliency drill",
+            "",
+            report.fault_table(result),
+            "",
+            *report.goodput_lines(result),
+            report.equality_line(result),
+            f"training job exit code {result.exit_code}; drill {'PASSED' if result.passed else 'FAILED'}",
+        ]
+    )
+    print(text)
+    (run_dir / "drill_report.md").write_text(text.lstrip() + "\n")
+    report.save_json(result, run_dir / "drill_report.json")
+    report.write_tensorboard(result, run_dir / "tensorboard" / "drill_summary")
+    try:
+        plot.timeline_png(run_dir / "timeline.png", result.timeline, result.outcomes, reference)
+        plotted = f", timeline {run_dir / 'timeline.png'}"
+    except ImportError as err:
+        plotted = f"; no timeline plot ({err})"
+    print(
+        f"files: report {run_dir / 'drill_report.md'} and .json, TensorBoard {run_dir / 'tensorboard'}, "
+        f"log {run_dir / 'train.log'}, checkpoints {run_dir / 'checkpoints'}{plotted}"
+    )
+    return 0 if result.passed else 1

@@ -1,0 +1,194 @@
+"""What the logs say happened: steps over time, restarts, resumes, and for each fault its detection and recovery.
+
+Timestamps come from the log lines themselves (the training processes' and the launcher's loggers) and from the
+fault ledger, all wall-clock seconds since the epoch on the one machine that ran the drill.
+"""
+
+import datetime
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron.bridge.drill.schedule import DrillFault, ledger_kind
+
+_WORKER_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] ")
+_LAUNCHER_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] ")
+_STEP = re.compile(r"\[rank0\] INFO \S+: iteration (\d+)/\d+ \|.*\| step time ([\d.]+) s")
+_RESTART = re.compile(r"Worker group \w+\. \d+/\d+ attempts left; will restart worker group")
+_RESUMED = re.compile(
+    r"\[rank0\] .*(?:successfully loaded verified checkpoint \S+|loaded verified local checkpoint) at iteration (\d+)"
+    r"|\[rank0\] .*(training starts at iteration 0)"
+)
+_LAUNCHER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_DETECTION = {
+    "kill": [_LAUNCHER_FAILED],
+    "hang": [re.compile(r"Section '\w+' has been open for"), re.compile(r"FT timeout elapsed"), _LAUNCHER_FAILED],
+    "preempt": [re.compile(r"Preemption detected, saving checkpoint and exiting")],
+    "nan": [re.compile(r"Unexpected result nan on rank")],
+    "slow": [],  # per rank: see _detection_patterns
+    "corrupt-local": [],
+}
+DETECTED_BY = {
+    "kill": "ft_launcher: worker exited (signal 9)",
+    "hang": "rank monitor: section timeout",
+    "preempt": "signal handler: all ranks agree to stop",
+    "nan": "re-run state machine: NaN loss",
+    "slow": "straggler detector: score below threshold",
+    "corrupt-local": "local tier: content hash mismatch at load",
+}
+RECOVERED_BY = {
+    "kill": "in-job restart, resume from newest verified checkpoint",
+    "hang": "in-job restart, resume from newest verified checkpoint",
+    "preempt": "save, exit 18, restart, resume",
+    "nan": "step re-run in place (transient)",
+    "slow": "save, exit 21, restart, resume",
+    "corrupt-local": "discarded, fell back to the global tier",
+}
+
+
+def _stamp(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@dataclass
+class Line:
+    """A timestamped log line."""
+
+    time: float
+    text: str
+
+
+@dataclass
+class Timeline:
+    """The run as parsed from its log."""
+
+    steps: list[tuple[float, int, float]] = field(default_factory=list)
+    """(time, iteration, step seconds) of every step rank 0 logged, in log order (repeated iterations after a
+    rollback appear again)."""
+    restarts: list[float] = field(default_factory=list)
+    """When the launcher decided to restart the workers."""
+    resumes: list[tuple[float, int]] = field(default_factory=list)
+    """(time, iteration) of every start's checkpoint load (0: started from scratch)."""
+    lines: list[Line] = field(default_factory=list)
+    start: Optional[float] = None
+    end: Optional[float] = None
+
+
+def parse_log(text: str) -> Timeline:
+    """Parse a drill's log (training processes and launcher, interleaved)."""
+    timeline = Timeline()
+    for raw in text.splitlines():
+        found = _WORKER_TIME.match(raw) or _LAUNCHER_TIME.match(raw)
+        if found is None:
+            continue
+        line = Line(_stamp(found.group(1)), raw)
+        timeline.lines.append(line)
+        timeline.start = line.time if timeline.start is None else min(timeline.start, line.time)
+        timeline.end = line.time if timeline.end is None else max(timeline.end, line.time)
+        step = _STEP.search(raw)
+        if step is not None:
+            timeline.steps.append((line.time, int(step.group(1)), float(step.group(2))))
+        elif _RESTART.search(raw):
+            timeline.restarts.append(line.time)
+        else:
+            resumed = _RESUMED.search(raw)
+            if resumed is not None:
+                timeline.resumes.append((line.time, int(resumed.group(1) or 0)))
+    return timeline
+
+
+@dataclass
+class Outcome:
+    """What happened to one fault."""
+
+    fault: DrillFault
+    struck: Optional[float] = None
+    detected: Optional[float] = None
+    recovered: Optional[float] = None
+    resumed_from: Optional[int] = None
+    steps_lost: Optional[int] = None
+    restart: Optional[float] = None
+    """When the launcher restarted the workers for this fault (``None``: recovered in place)."""
+
+    @property
+    def detection_s(self) -> Optional[float]:
+        """Seconds from the strike to the detection."""
+        return None if self.struck is None or self.detected is None else self.detected - self.struck
+
+    @property
+    def recovery_s(self) -> Optional[float]:
+        """Seconds from the detection to the first completed step after it."""
+        return None if self.detected is None or self.recovered is None else self.recovered - self.detected
+
+    @property
+    def ok(self) -> bool:
+        """Struck, detected and recovered."""
+        return None not in (self.struck, self.detected, self.recovered)
+
+
+def _detection_patterns(fault: DrillFault) -> list[re.Pattern]:
+    if fault.kind == "slow":
+        return [re.compile(rf"Straggler detected: Rank={fault.rank} ")]
+    if fault.kind == "corrupt-local":
+        return [re.compile(rf"local checkpoint at iteration {fault.iteration} failed verification")]
+    return _DETECTION[fault.kind]
+
+
+def _first(lines: list[Line], after: float, patterns: list[re.Pattern]) -> Optional[Line]:
+    return next((x for x in lines if x.time >= after and any(p.search(x.text) for p in patterns)), None)
+
+
+def outcomes(timeline: Timeline, faults: list[DrillFault], ledger: list[dict]) -> list[Outcome]:
+    """Match each scheduled fault with its strike (from the ledger), detection, restart and recovery."""
+    result = []
+    for fault in faults:
+        outcome = Outcome(fault)
+        result.append(outcome)
+        record = next(
+            (
+                r
+                for r in ledger
+                if r["kind"] == ledger_kind(fault) and r["iteration"] == fault.iteration and r["rank"] == fault.rank
+            ),
+            None,
+        )
+        if record is None:
+            continue
+        outcome.struck = float(record["time"])
+        detected = _first(timeline.lines, outcome.struck, _detection_patterns(fault))
+        if detected is None:
+            continue
+        outcome.detected = detected.time
+        if fault.kind == "nan":
+            done = next((t for t, it, _ in timeline.steps if t >= detected.time and it == fault.iteration), None)
+            outcome.recovered, outcome.steps_lost = done, 0 if done is not None else None
+            continue
+        if fault.kind == "corrupt-local":
+            _after_load(outcome, timeline, detected.time)
+            if outcome.resumed_from is not None:
+                outcome.steps_lost = fault.iteration - outcome.resumed_from
+            continue
+        restart = next((t for t in timeline.restarts if t >= outcome.struck), None)
+        if restart is None:
+            continue
+        outcome.restart = restart
+        _after_load(outcome, timeline, restart)
+        done_before = [it for t, it, _ in timeline.steps if t <= restart]
+        if outcome.resumed_from is not None and done_before:
+            outcome.steps_lost = max(0, done_before[-1] - outcome.resumed_from)
+    return result
+
+
+def _after_load(outcome: Outcome, timeline: Timeline, since: float) -> None:
+    """Fill in the first checkpoint load after ``since`` and the first step completed after it."""
+    load = next(((t, it) for t, it in timeline.resumes if t >= since), None)
+    if load is None:
+        return
+    outcome.resumed_from = load[1]
+    outcome.recovered = next((t for t, _, _ in timeline.steps if t >= load[0]), None)
+
+
+def unexplained_restarts(timeline: Timeline, found: list[Outcome]) -> list[float]:
+    """Restarts no scheduled fault caused (a spurious timeout, say): reported, never hidden."""
+    explained = {o.restart for o in found if o.restart is not None}
+    return [t for t in timeline.restarts if t not in explained]

@@ -1,0 +1,58 @@
+"""The drill's timeline as a PNG: iteration against wall time, faults and restarts marked."""
+
+from pathlib import Path
+from typing import Optional
+
+from megatron.bridge.drill.events import Outcome, Timeline
+from megatron.bridge.utils.optional_imports import require
+
+_COLORS = {"kill": "tab:red", "hang": "tab:purple", "preempt": "tab:orange", "nan": "tab:brown", "slow": "tab:olive"}
+
+
+def timeline_png(
+    path: Path, drill: Timeline, outcomes: list[Outcome], reference: Optional[Timeline] = None, title: str = ""
+) -> None:
+    """Plot steps (iteration vs seconds since the drill started), faults (struck → recovered), restarts.
+
+    Args:
+        path: the PNG to write.
+        drill: the run with faults.
+        outcomes: what happened to each fault.
+        reference: the fault-free run, drawn dashed on the same time axis (from its own start), when given.
+        title: the figure title.
+    """
+    matplotlib = require("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = drill.start or 0.0
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    if reference is not None and reference.steps:
+        r0 = reference.start or 0.0
+        ax.plot([t - r0 for t, _, _ in reference.steps], [it for _, it, _ in reference.steps], "--", color="gray",
+                lw=1.2, label="fault-free reference")  # fmt: skip
+    ax.plot([t - t0 for t, _, _ in drill.steps], [it for _, it, _ in drill.steps], ".", ms=3, color="tab:blue",
+            label="drill: completed steps (rank 0)")  # fmt: skip
+    for i, t in enumerate(drill.restarts):
+        ax.axvline(t - t0, color="black", lw=0.8, ls=":", label="in-job restart" if i == 0 else None)
+    top = max((it for _, it, _ in drill.steps), default=1)
+    for o in outcomes:
+        if o.struck is None:
+            continue
+        color = _COLORS.get(o.fault.kind, "tab:green")
+        end = o.recovered if o.recovered is not None else (drill.end or o.struck)
+        ax.axvspan(o.struck - t0, end - t0, color=color, alpha=0.15)
+        ax.axvline(o.struck - t0, color=color, lw=1.5)
+        ax.annotate(o.fault.label, (o.struck - t0, top * 1.02), rotation=90, va="bottom", ha="right", fontsize=8,
+                    color=color)  # fmt: skip
+        if o.detected is not None:
+            ax.plot([o.detected - t0], [o.fault.iteration], "x", color=color, ms=8)
+    ax.set_xlabel("wall time since launch (s)")
+    ax.set_ylabel("iteration")
+    ax.set_ylim(0, top * 1.25)
+    ax.set_title(title or "resiliency drill: faults (shaded: strike to recovery, x: detection) and restarts")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,170 @@
+"""The drill's results: the fault table, goodput, the equality verdict, as text, JSON and TensorBoard scalars."""
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron.bridge.drill.events import DETECTED_BY, RECOVERED_BY, Outcome, Timeline
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DrillResult:
+    """Everything the drill measured."""
+
+    outcomes: list[Outcome]
+    timeline: Timeline
+    exit_code: int
+    wall_s: float
+    """Seconds from the launch of the drill's training job to its end, as the drill measured them."""
+    reference_wall_s: Optional[float]
+    goodput: Optional[dict[str, Any]]
+    """The training job's own goodput summary (``<checkpoint.save>/goodput/summary.json``)."""
+    equal: Optional[bool]
+    differences: list[str] = field(default_factory=list)
+    tensors_compared: int = 0
+    unexplained_restarts: list[float] = field(default_factory=list)
+    final_iteration: Optional[int] = None
+    reference_goodput: Optional[dict[str, Any]] = None
+    """The fault-free run's goodput summary."""
+
+    @property
+    def passed(self) -> bool:
+        """Finished, every fault detected and recovered, and the final state equal to the reference."""
+        return self.exit_code == 0 and all(o.ok for o in self.outcomes) and self.equal is not False
+
+
+def _secs(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.2f} s"
+
+
+def fault_table(result: DrillResult) -> str:
+    """The markdown table: one row per fault."""
+    t0 = result.timeline.start or 0.0
+    rows = [
+        "| fault | struck (s, iteration) | detected by | detection latency | recovered by | recovery time "
+        "| resumed from | steps lost |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for o in result.outcomes:
+        struck = "never struck" if o.struck is None else f"{o.struck - t0:.1f} s, it {o.fault.iteration}"
+        detected = DETECTED_BY[o.fault.kind] if o.detected is not None else "**not detected**"
+        recovered = RECOVERED_BY[o.fault.kind] if o.recovered is not None else "**not recovered**"
+        resumed = "—" if o.resumed_from is None else f"iteration {o.resumed_from}"
+        lost = "—" if o.steps_lost is None else str(o.steps_lost)
+        rows.append(
+            f"| {o.fault.label} | {struck} | {detected} | {_secs(o.detection_s)} | {recovered} "
+            f"| {_secs(o.recovery_s)} | {resumed} | {lost} |"
+        )
+    return "\n".join(rows)
+
+
+def goodput_lines(result: DrillResult) -> list[str]:
+    """How the job's time was spent, from its own accounting, next to the drill's outside view."""
+    lines = []
+    g = result.goodput
+    if g is None:
+        lines.append("goodput: the training job wrote no goodput summary")
+    else:
+        lost = ", ".join(f"{cause} {secs:.1f} s" for cause, secs in sorted(g.get("lost_s", {}).items()))
+        lines.append(
+            f"goodput: {g['goodput']:.3f} (productive {g['productive_s']:.1f} s of {g['wall_s']:.1f} s wall, "
+            f"{g.get('attempts', '?')} attempts) | lost: {lost}"
+        )
+    restarts = len(result.timeline.restarts)
+    line = f"drill wall time {result.wall_s:.1f} s, {restarts} restart(s)"
+    if result.reference_wall_s:
+        line += (
+            f"; the fault-free reference took {result.reference_wall_s:.1f} s "
+            f"(faults cost {result.wall_s - result.reference_wall_s:.1f} s, "
+            f"{result.wall_s / result.reference_wall_s:.2f}x)"
+        )
+    if result.reference_goodput is not None:
+        line += f"; its goodput {result.reference_goodput['goodput']:.3f}"
+    lines.append(line)
+    if result.unexplained_restarts:
+        t0 = result.timeline.start or 0.0
+        at = ", ".join(f"{t - t0:.1f} s" for t in result.unexplained_restarts)
+        lines.append(f"restarts no scheduled fault explains (spurious detections?): at {at}")
+    return lines
+
+
+def equality_line(result: DrillResult) -> str:
+    """The verdict on the final training state."""
+    if result.equal is None:
+        return "final state: not compared (no reference run)"
+    if result.equal:
+        return (
+            f"final state EQUAL to the fault-free run with the same seed: {result.tensors_compared} tensors "
+            f"(model, optimizer, RNG) and progress, bit for bit, at iteration {result.final_iteration}"
+        )
+    return "final state DIFFERS from the fault-free run: " + "; ".join(result.differences)
+
+
+def to_json(result: DrillResult) -> dict[str, Any]:
+    """A machine-readable report."""
+    t0 = result.timeline.start or 0.0
+    return {
+        "passed": result.passed,
+        "exit_code": result.exit_code,
+        "wall_s": result.wall_s,
+        "reference_wall_s": result.reference_wall_s,
+        "equal": result.equal,
+        "differences": result.differences,
+        "tensors_compared": result.tensors_compared,
+        "final_iteration": result.final_iteration,
+        "goodput": result.goodput,
+        "reference_goodput": result.reference_goodput,
+        "restarts_s": [t - t0 for t in result.timeline.restarts],
+        "unexplained_restarts_s": [t - t0 for t in result.unexplained_restarts],
+        "faults": [
+            {
+                "fault": o.fault.label,
+                "kind": o.fault.kind,
+                "iteration": o.fault.iteration,
+                "rank": o.fault.rank,
+                "struck_s": None if o.struck is None else o.struck - t0,
+                "detected": o.detected is not None,
+                "recovered": o.recovered is not None,
+                "detection_latency_s": o.detection_s,
+                "recovery_time_s": o.recovery_s,
+                "resumed_from": o.resumed_from,
+                "steps_lost": o.steps_lost,
+                "restarted": o.restart is not None,
+            }
+            for o in result.outcomes
+        ],
+    }
+
+
+def write_tensorboard(result: DrillResult, log_dir: Path) -> bool:
+    """Drill scalars under ``drill/…`` (per-fault latency and recovery, goodput); ``False`` if TensorBoard is absent."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        logger.warning("TensorBoard is not installed: drill scalars not written (pip install tensorboard)")
+        return False
+    writer = SummaryWriter(log_dir=str(log_dir))
+    try:
+        for o in result.outcomes:
+            name = o.fault.label.replace("@", "_at_").replace(":", "_")
+            if o.detection_s is not None:
+                writer.add_scalar(f"drill/detection_latency_s/{name}", o.detection_s, o.fault.iteration)
+            if o.recovery_s is not None:
+                writer.add_scalar(f"drill/recovery_time_s/{name}", o.recovery_s, o.fault.iteration)
+            if o.steps_lost is not None:
+                writer.add_scalar(f"drill/steps_lost/{name}", o.steps_lost, o.fault.iteration)
+        if result.goodput is not None:
+            writer.add_scalar("drill/goodput", result.goodput["goodput"], result.final_iteration or 0)
+        writer.add_scalar("drill/wall_s", result.wall_s, result.final_iteration or 0)
+    finally:
+        writer.close()
+    return True
+
+
+def save_json(result: DrillResult, path: Path) -> None:
+    """Write :func:`to_json` to ``path``."""
+    path.write_text(json.dumps(to_json(result), indent=2) + "\n")

@@ -1,0 +1,140 @@
+"""The drill's fault schedule: which faults strike where, and how each one is injected.
+
+A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]``:
+
+- ``kill``: the rank SIGKILLs itself when it starts the iteration (a crashed process or a lost node);
+- ``hang``: the rank SIGSTOPs itself (a hung GPU or a deadlock; the process is alive but makes no progress);
+- ``preempt``: the rank receives SIGTERM, as from a scheduler preempting the job;
+- ``nan``: the rank's loss is NaN in the first pass of the iteration (a transient numerical fault);
+- ``slow``: the rank's forward steps take ``factor`` times as long from that iteration on (default 6);
+- ``corrupt-local``: once the rank's local checkpoint of the iteration is written, the drill flips bytes in the
+  middle of its file, as a failing disk would; a later restart must find it bad and fall back to the global tier.
+
+The first five are injected inside the training processes (``MBRIDGE_FAULTS``, each striking once per job thanks
+to ``MBRIDGE_FAULTS_LEDGER``); ``corrupt-local`` is done by the drill itself, from outside.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,hang@48:1,slow@60:1:x6"
+"""One of each kind, for 100 iterations with global saves every 20 and local ones every 5."""
+
+KINDS = ("kill", "hang", "preempt", "nan", "slow", "corrupt-local")
+RESTARTING = ("kill", "hang", "preempt", "slow")
+"""Kinds after which the job restarts (``slow``: the straggler stop, exit 21, then the in-job restart)."""
+_WORKER_KIND = {"kill": "kill", "hang": "hang", "preempt": "sigterm", "nan": "nan", "slow": "slow"}
+"""The ``MBRIDGE_FAULTS`` kind that injects each drill kind inside the training processes."""
+
+
+@dataclass(frozen=True)
+class DrillFault:
+    """One scheduled fault."""
+
+    kind: str
+    iteration: int
+    rank: int
+    factor: Optional[float] = None
+    """``slow`` only: how many times longer the rank's forward steps take."""
+
+    @property
+    def label(self) -> str:
+        """How the fault is named in the report, e.g. ``kill@27:1``."""
+        suffix = f":x{self.factor:g}" if self.factor is not None else ""
+        return f"{self.kind}@{self.iteration}:{self.rank}{suffix}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run the schedule is checked against."""
+
+    train_iters: int
+    nproc: int
+    save_interval: int
+    local_interval: int
+    max_restarts: int
+
+
+def parse(spec: str) -> list[DrillFault]:
+    """Parse a schedule (``"none"`` or empty: no faults; ``"default"``: :data:`DEFAULT`), sorted by iteration.
+
+    Raises:
+        ValueError: an item is malformed, names an unknown kind, or two faults share an iteration.
+    """
+    spec = DEFAULT if spec.strip() == "default" else spec
+    faults = []
+    for item in filter(None, (s.strip() for s in ("" if spec.strip() == "none" else spec).split(","))):
+        try:
+            kind, rest = item.split("@")
+            parts = rest.split(":")
+            iteration, rank = int(parts[0]), int(parts[1])
+            factor = None
+            if len(parts) == 3 and kind == "slow" and parts[2].startswith("x"):
+                factor = float(parts[2][1:])
+            elif len(parts) != 2:
+                raise ValueError
+            if kind not in KINDS or iteration < 1 or rank < 0 or (factor is not None and not 1 < factor < 100):
+                raise ValueError
+        except (ValueError, IndexError):
+            raise ValueError(
+                f"--faults: bad item {item!r}; expected <kind>@<iteration>:<rank> (slow also takes :x<factor>, "
+                f"1 < factor < 100) with kind in {KINDS}, iteration >= 1, rank >= 0"
+            ) from None
+        faults.append(DrillFault(kind, iteration, rank, factor if factor is not None or kind != "slow" else 6.0))
+    faults.sort(key=lambda f: f.iteration)
+    seen = [f.iteration for f in faults]
+    if len(set(seen)) != len(seen):
+        raise ValueError("--faults: two faults at the same iteration cannot be told apart in the report; move one")
+    return faults
+
+
+def check(faults: list[DrillFault], plan: Plan) -> None:
+    """Reject a schedule that cannot play out as written on this run.
+
+    Raises:
+        ValueError: naming the fault and the fix.
+    """
+    for i, fault in enumerate(faults):
+        if not 1 <= fault.iteration < plan.train_iters:
+            raise ValueError(f"--faults: {fault.label} is outside 1..{plan.train_iters - 1} (--train-iters)")
+        if fault.rank >= plan.nproc:
+            raise ValueError(f"--faults: {fault.label} names rank {fault.rank}, but the drill runs {plan.nproc} ranks")
+        if fault.kind != "corrupt-local":
+            continue
+        if fault.iteration % plan.local_interval or not fault.iteration % plan.save_interval:
+            raise ValueError(
+                f"--faults: {fault.label}: iteration {fault.iteration} has no local checkpoint (local saves every "
+                f"{plan.local_interval}, except at the global saves every {plan.save_interval}); pick one that has"
+            )
+        restart = next((f for f in faults[i + 1 :] if f.kind in RESTARTING), None)
+        if restart is None or restart.iteration > fault.iteration + plan.local_interval:
+            raise ValueError(
+                f"--faults: {fault.label}: no restart follows before the next local save at iteration "
+                f"{fault.iteration + plan.local_interval}, so nothing would ever load the corrupted checkpoint; "
+                "schedule a kill or a hang in between"
+            )
+        if restart.kind == "slow" or restart.kind == "preempt":
+            raise ValueError(
+                f"--faults: {fault.label} is followed by {restart.label}, which saves a newer checkpoint before the "
+                "restart; follow it with a kill or a hang"
+            )
+    restarts = sum(f.kind in RESTARTING for f in faults)
+    if restarts > plan.max_restarts:
+        raise ValueError(
+            f"--faults: {restarts} faults restart the job but --max-restarts={plan.max_restarts}; raise it"
+        )
+
+
+def worker_faults(faults: list[DrillFault]) -> str:
+    """The ``MBRIDGE_FAULTS`` value for the faults injected inside the training processes."""
+    items = []
+    for f in faults:
+        if f.kind in _WORKER_KIND:
+            factor = f":x{f.factor:g}" if f.kind == "slow" else ""
+            items.append(f"{_WORKER_KIND[f.kind]}@{f.iteration}:{f.rank}{factor}")
+    return ",".join(items)
+
+
+def ledger_kind(fault: DrillFault) -> str:
+    """The kind the training process records in the fault ledger for ``fault``."""
+    return _WORKER_KIND.get(fault.kind, fault.kind)

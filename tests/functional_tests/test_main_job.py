@@ -1,0 +1,91 @@
+"""The README's first command runs the whole resiliency drill and every fault in it is detected and recovered.
+
+This runs ``bash scripts/run_main_job.sh`` exactly as documented (the default schedule: a NaN loss, a killed rank,
+a preemption signal, a corrupted local checkpoint, a hung rank and a slowed rank, under ft_launcher with every
+feature on), then the documented checkpoint verification, and checks what the drill claims against the files it
+left behind.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.bridge.drill import schedule
+
+REPO = Path(__file__).resolve().parents[2]
+DOC_COMMANDS = ("bash scripts/run_main_job.sh", "mbridge-verify-checkpoint runs/main_job/checkpoints --all")
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    work = tmp_path_factory.mktemp("main_job")
+    run_dir = work / "runs" / "main_job"
+    env = {**os.environ, "RUN_DIR": str(run_dir), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(shlex.split(DOC_COMMANDS[0]), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    return work, run_dir, out
+
+
+def test_the_drill_passes_and_prints_the_table(main_job):
+    _, run_dir, out = main_job
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    for fault in schedule.parse("default"):
+        assert f"| {fault.label} |" in out.stdout
+    assert "final state EQUAL to the fault-free run" in out.stdout
+    assert "goodput: 0." in out.stdout
+    assert "iteration 50/100" in out.stdout, "progress is shown while it runs"
+
+
+def test_every_fault_was_detected_and_recovered(main_job):
+    _, run_dir, _ = main_job
+    result = json.loads((run_dir / "drill_report.json").read_text())
+    assert result["passed"] and result["equal"] is True and result["tensors_compared"] > 0
+    assert result["final_iteration"] == 100
+    by_kind = {f["kind"]: f for f in result["faults"]}
+    assert set(by_kind) == set(schedule.KINDS)
+    for fault in result["faults"]:
+        assert fault["detected"] and fault["recovered"], fault
+        assert fault["detection_latency_s"] >= 0 and fault["recovery_time_s"] > 0, fault
+    for kind in schedule.RESTARTING:
+        assert by_kind[kind]["restarted"], kind
+    assert not by_kind["nan"]["restarted"] and by_kind["nan"]["steps_lost"] == 0
+    # A preemption and a straggler stop save before exiting: nothing is recomputed.
+    assert by_kind["preempt"]["steps_lost"] == 0 and by_kind["slow"]["steps_lost"] == 0
+    # The kill strikes at 27: the newest checkpoint is resumed (the local one at 25 once its async write is done).
+    assert (
+        by_kind["kill"]["resumed_from"] in (20, 25)
+        and by_kind["kill"]["steps_lost"] == 26 - by_kind["kill"]["resumed_from"]
+    )
+    # The local checkpoint at 45 was corrupted: the hang's restart discards it and falls back to a global one.
+    fallback = by_kind["corrupt-local"]["resumed_from"]
+    assert fallback in (38, 40) and by_kind["corrupt-local"]["steps_lost"] == 45 - fallback
+    assert by_kind["hang"]["resumed_from"] == fallback and by_kind["hang"]["steps_lost"] == 47 - fallback
+    # The ledger written by the ranks (and the drill, for the corruption) says when each fault struck.
+    ledger = [json.loads(x) for x in (run_dir / "fault_ledger.jsonl").read_text().splitlines()]
+    assert sorted(r["kind"] for r in ledger) == sorted(schedule.ledger_kind(f) for f in schedule.parse("default"))
+
+
+def test_goodput_is_accounted_across_restarts(main_job):
+    _, run_dir, _ = main_job
+    result = json.loads((run_dir / "drill_report.json").read_text())
+    g = result["goodput"]
+    assert g is not None
+    assert 0 < g["goodput"] < 1 and g["goodput"] == pytest.approx(g["productive_s"] / g["wall_s"], rel=1e-3)
+    assert g["wall_s"] == pytest.approx(result["wall_s"], rel=0.1)  # the job's clock agrees with the drill's
+    assert g["lost_s"]["restart"] > 0 and g["lost_s"]["rollback"] > 0
+    assert g["productive_s"] + sum(g["lost_s"].values()) == pytest.approx(g["wall_s"], rel=1e-3)
+
+
+def test_the_plot_tensorboard_and_checkpoints_are_written(main_job):
+    work, run_dir, _ = main_job
+    assert (run_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("drill", "reference", "drill_summary"):
+        assert list((run_dir / "tensorboard" / name).glob("events.out.tfevents.*")), name
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    verify = subprocess.run(shlex.split(DOC_COMMANDS[1]), cwd=work, env=env, capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "iter_0000100" in verify.stdout + verify.stderr

@@ -1,0 +1,214 @@
+"""The drill's own logic: schedules are checked, logs are read into detection/recovery, the report tells the truth."""
+
+import datetime
+import json
+
+import pytest
+import torch
+
+from megatron.bridge.drill import events, report, runner, schedule
+from megatron.bridge.drill.schedule import DrillFault, Plan
+from megatron.bridge.training.checkpoint import compare
+
+PLAN = Plan(train_iters=100, nproc=2, save_interval=20, local_interval=5, max_restarts=6)
+T0 = datetime.datetime(2026, 1, 1, 12, 0, 0).timestamp()
+
+
+def _w(seconds: float, rank: int, text: str) -> str:
+    stamp = datetime.datetime.fromtimestamp(T0 + seconds).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
+    return f"{stamp} [rank{rank}] {text}"
+
+
+def _l(seconds: float, text: str) -> str:
+    stamp = datetime.datetime.fromtimestamp(T0 + seconds).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
+    return f"[{stamp}] [INFO] [ft_launcher1@vm] {text}"
+
+
+def _step(seconds: float, it: int) -> str:
+    return _w(seconds, 0, f"INFO megatron.bridge.training.metrics: iteration {it}/100 | consumed samples 8 | "
+                          f"lm loss 4.5 | grad norm 1.0 | lr 1e-3 | step time 0.2000 s")  # fmt: skip
+
+
+def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
+    faults = schedule.parse("default")
+    assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
+    assert [f.iteration for f in faults] == sorted(f.iteration for f in faults)
+    schedule.check(faults, PLAN)
+    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,hang@48:1,slow@60:1:x6"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("melt@3:0", "bad item"),
+        ("kill@0:1", "bad item"),
+        ("kill@3", "bad item"),
+        ("kill@3:1:x2", "bad item"),
+        ("slow@3:1:x200", "bad item"),
+        ("kill@5:1,hang@5:0", "same iteration"),
+    ],
+)
+def test_bad_schedules_are_rejected_when_parsed(spec, message):
+    with pytest.raises(ValueError, match=message):
+        schedule.parse(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("kill@100:1", "outside 1..99"),
+        ("kill@10:2", "runs 2 ranks"),
+        ("corrupt-local@40:1,kill@42:1", "has no local checkpoint"),
+        ("corrupt-local@45:1,kill@51:1", "no restart follows"),
+        ("corrupt-local@45:1", "no restart follows"),
+        ("corrupt-local@45:1,preempt@47:0", "saves a newer checkpoint"),
+        ("kill@3:1,kill@4:1,kill@5:1,kill@6:1,kill@7:1,kill@8:1,kill@9:1", "--max-restarts=6"),
+    ],
+)
+def test_schedules_that_cannot_play_out_are_rejected(spec, message):
+    with pytest.raises(ValueError, match=message):
+        schedule.check(schedule.parse(spec), PLAN)
+
+
+def test_none_is_an_empty_schedule():
+    assert schedule.parse("none") == [] and schedule.worker_faults([]) == ""
+
+
+def _kill_log() -> str:
+    return "\n".join(
+        [
+            _l(0.0, "[default] starting workers for entrypoint: python"),
+            _w(
+                10.0,
+                0,
+                "WARNING megatron.bridge.training.checkpointing: no checkpoint found in x; training starts "
+                "at iteration 0",
+            ),  # fmt: skip
+            *[_step(10.0 + i, i) for i in range(1, 6)],
+            _w(15.5, 1, "ERROR megatron.bridge.training.fault_injection: fault injection: kill at iteration 6"),
+            _l(15.6, "failed (exitcode: -9) local_rank: 1 (pid: 9) of binary: python"),
+            _l(15.7, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
+            _w(
+                30.0,
+                0,
+                "INFO megatron.bridge.training.checkpoint.local_tier: loaded verified local checkpoint at "
+                "iteration 4 from /l (0 of 2 ranks' shards fetched from replicas)",
+            ),  # fmt: skip
+            _step(30.5, 5),
+            _step(31.0, 6),
+        ]
+    )
+
+
+def test_a_killed_rank_is_matched_with_its_detection_restart_and_recovery():
+    timeline = events.parse_log(_kill_log())
+    ledger = [{"kind": "kill", "iteration": 6, "rank": 1, "time": T0 + 15.5}]
+    (outcome,) = events.outcomes(timeline, schedule.parse("kill@6:1"), ledger)
+    assert outcome.ok
+    assert outcome.detection_s == pytest.approx(0.1, abs=1e-3)
+    assert outcome.recovery_s == pytest.approx(30.5 - 15.6, abs=1e-3)
+    assert (outcome.resumed_from, outcome.steps_lost) == (4, 1)  # iteration 5 was done, then redone
+    assert timeline.resumes == [(pytest.approx(T0 + 10.0), 0), (pytest.approx(T0 + 30.0), 4)]
+    assert events.unexplained_restarts(timeline, [outcome]) == []
+
+
+def test_a_fault_that_never_struck_or_was_never_detected_is_not_ok():
+    timeline = events.parse_log(_kill_log())
+    never = events.outcomes(timeline, schedule.parse("kill@6:1"), ledger=[])
+    assert not never[0].ok and never[0].struck is None
+    undetected = events.outcomes(timeline, schedule.parse("hang@3:1"), [{"kind": "hang", "iteration": 3, "rank": 1,
+                                                                          "time": T0 + 16.0}])  # fmt: skip
+    assert undetected[0].detected is None and not undetected[0].ok
+    # The kill's restart is then unexplained: it is reported, not hidden.
+    assert len(events.unexplained_restarts(timeline, undetected)) == 1
+
+
+def test_a_transient_nan_is_recovered_in_place():
+    log = "\n".join(
+        [
+            _step(1.0, 11),
+            _w(1.2, 1, "ERROR megatron.bridge.training.fault_injection: fault injection: nan forward output"),
+            _w(1.25, 1, "ERROR megatron.core.rerun_state_machine: Unexpected result nan on rank 1 at iteration #12"),
+            _step(1.6, 12),
+        ]
+    )
+    ledger = [{"kind": "nan", "iteration": 12, "rank": 1, "time": T0 + 1.2}]
+    (outcome,) = events.outcomes(events.parse_log(log), schedule.parse("nan@12:1"), ledger)
+    assert outcome.ok and outcome.restart is None and outcome.steps_lost == 0
+    assert outcome.recovery_s == pytest.approx(0.35, abs=1e-3)
+
+
+def test_a_corrupted_local_checkpoint_counts_the_steps_the_fallback_lost():
+    log = "\n".join(
+        [
+            _step(1.0, 47),
+            _l(3.0, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
+            _w(
+                20.0,
+                0,
+                "ERROR megatron.bridge.training.checkpoint.local_tier: local checkpoint at iteration 45 "
+                "failed verification (1 problem(s)): bad hash",
+            ),  # fmt: skip
+            _w(
+                20.5,
+                0,
+                "INFO megatron.bridge.training.checkpointing: successfully loaded verified checkpoint "
+                "/c/iter_0000040 at iteration 40",
+            ),  # fmt: skip
+            _step(21.0, 41),
+        ]
+    )
+    ledger = [{"kind": "corrupt-local", "iteration": 45, "rank": 1, "time": T0 + 0.5}]
+    (outcome,) = events.outcomes(events.parse_log(log), schedule.parse("corrupt-local@45:1"), ledger)
+    assert outcome.ok and (outcome.resumed_from, outcome.steps_lost) == (40, 5)
+    assert outcome.detection_s == pytest.approx(19.5, abs=1e-3)
+
+
+def test_the_corrupter_flips_bytes_of_the_right_file_once_it_is_written(tmp_path):
+    shard = tmp_path / "local" / "local_ckpt" / "vm" / "session_x" / "1" / "iter_0000045_1_local.pt"
+    other = shard.parent / "iter_0000040_1_local.pt"
+    shard.parent.mkdir(parents=True)
+    payload = bytes(range(256)) * 8
+    shard.write_bytes(payload)
+    other.write_bytes(payload)
+    ledger = tmp_path / "ledger.jsonl"
+    corrupt = runner.LocalCheckpointCorrupter(schedule.parse("corrupt-local@45:1"), tmp_path / "local", ledger)
+    corrupt(_w(1.0, 0, "INFO x: finalized async local checkpoint at iteration 45"))  # rank 0's: not the one
+    assert shard.read_bytes() == payload and not ledger.exists()
+    corrupt(_w(1.0, 1, "INFO x: finalized async local checkpoint at iteration 45"))
+    changed = [i for i, (a, b) in enumerate(zip(payload, shard.read_bytes())) if a != b]
+    assert len(changed) == 64 and changed[0] == len(payload) // 2
+    assert other.read_bytes() == payload
+    assert json.loads(ledger.read_text())["kind"] == "corrupt-local"
+    corrupt(_w(1.0, 1, "INFO x: finalized async local checkpoint at iteration 45"))  # once only
+    assert len(ledger.read_text().splitlines()) == 1
+
+
+def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs():
+    timeline = events.parse_log(_kill_log())
+    found = events.outcomes(timeline, schedule.parse("kill@6:1"), [{"kind": "kill", "iteration": 6, "rank": 1,
+                                                                     "time": T0 + 15.5}])  # fmt: skip
+    good = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, tensors_compared=12)
+    assert good.passed
+    table = report.fault_table(good)
+    assert "kill@6:1" in table and "iteration 4" in table and "not detected" not in table
+    assert report.to_json(good)["faults"][0]["steps_lost"] == 1
+    assert not report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=False, differences=["x"]).passed
+    assert not report.DrillResult(found, timeline, 1, 40.0, 20.0, None, equal=True).passed
+    missed = events.outcomes(timeline, [DrillFault("hang", 3, 1)], [])
+    failed = report.DrillResult(missed, timeline, 0, 40.0, 20.0, None, equal=True)
+    assert not failed.passed and "**not detected**" in report.fault_table(failed)
+    lines = report.goodput_lines(good)
+    assert "no goodput summary" in lines[0] and "2.00x" in lines[1]
+
+
+def test_checkpoint_differences_name_what_differs():
+    a = {"sharded.model.w": torch.ones(3), "common.train_state.iteration": 5}
+    assert compare.differences(a, dict(a)) == []
+    b = {"sharded.model.w": torch.tensor([1.0, 1.0, 1.5]), "common.train_state.iteration": 6}
+    found = compare.differences(a, b)
+    assert any("sharded.model.w: values differ (max abs difference 0.5)" in d for d in found)
+    assert any("iteration: 5 != 6" in d for d in found)
+    assert compare.differences(a, {"sharded.model.w": torch.ones(3)}) == [
+        "common.train_state.iteration: only in one of the two"
+    ]
