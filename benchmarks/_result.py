@@ -95,17 +95,9 @@ def format_result(
     return PREFIX + json.dumps(record)
 
 
-def emit_result(
-    benchmark: str,
-    metric: str,
-    ratio: float | None,
-    measured: str,
-    baseline: str,
-    target: str = NO_TARGET,
-    met: bool | None = None,
-) -> None:
-    """Print the result line of :func:`format_result` to stdout (flushed)."""
-    print(format_result(benchmark, metric, ratio, measured, baseline, target, met), flush=True)
+def emit_result(*args: Any, **kwargs: Any) -> None:
+    """Print the result line of :func:`format_result` (same arguments) to stdout, flushed."""
+    print(format_result(*args, **kwargs), flush=True)
 
 
 def parse_result(line: str) -> dict[str, Any] | None:

@@ -15,14 +15,13 @@ import datetime as dt
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import psutil
+from _process import kill_tree
 from _result import emit_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,19 +32,6 @@ _TS = r"\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]?"
 
 def _times(pattern: str, log: str) -> list[dt.datetime]:
     return [dt.datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f") for m in re.findall(_TS + pattern, log)]
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (the launcher starts its workers in sessions of their own)."""
-    try:
-        procs = [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def _run(cmd: list[str], env_faults: str | None, timeout: float) -> tuple[str, bool]:
@@ -59,7 +45,7 @@ def _run(cmd: list[str], env_faults: str | None, timeout: float) -> tuple[str, b
         out, _ = proc.communicate(timeout=timeout)
         return out, True
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         return out, False
 

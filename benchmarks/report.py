@@ -17,7 +17,6 @@ import datetime as dt
 import importlib.metadata
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from _process import kill_tree
 from _result import FIELDS, PREFIX, parse_result
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -81,25 +81,6 @@ def select(scripts: list[Path], only: list[str] | None) -> list[Path]:
     return [p for p in scripts if p.stem in wanted]
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and its descendants (launchers start their workers in sessions of their own)."""
-    try:
-        import psutil
-
-        procs = [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]
-    except Exception:  # psutil missing or the process gone: fall back to the process group of the script
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        return
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-
-
 def run_script(script: Path, label: str, timeout: float, log: TextIO | None = None) -> ScriptRun:
     """Run ``script`` with this Python from the repository root, reporting progress on ``log``.
 
@@ -135,7 +116,7 @@ def run_script(script: Path, label: str, timeout: float, log: TextIO | None = No
         except subprocess.TimeoutExpired:
             elapsed = time.monotonic() - start
             if elapsed >= timeout:
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
                 out, err = proc.communicate()
                 break
             print(f"{back}{label}: running, {elapsed:.0f} s", end="" if tty else "\n", file=log)
