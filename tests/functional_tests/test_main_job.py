@@ -26,7 +26,7 @@ def main_job(tmp_path_factory):
     work = tmp_path_factory.mktemp("main_job")
     run_dir = work / "runs" / "main_job"
     env = {**os.environ, "RUN_DIR": str(run_dir), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    out = subprocess.run(shlex.split(DOC_COMMANDS[0]), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(shlex.split(DOC_COMMANDS[0]), cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
     return work, run_dir, out
 
 
@@ -63,7 +63,11 @@ def test_every_fault_was_detected_and_recovered(main_job):
     # The local checkpoint at 45 was corrupted: the hang's restart discards it and falls back to a global one.
     fallback = by_kind["corrupt-local"]["resumed_from"]
     assert fallback in (38, 40) and by_kind["corrupt-local"]["steps_lost"] == 45 - fallback
-    assert by_kind["hang"]["resumed_from"] == fallback and by_kind["hang"]["steps_lost"] == 47 - fallback
+    # The hang loses only its own steps: 46 and 47 past the local checkpoint its restart tried; the rest is the
+    # corruption's.
+    assert by_kind["hang"]["resumed_from"] == fallback and by_kind["hang"]["steps_lost"] == 2
+    assert len(result["restarts_s"]) >= len(schedule.RESTARTING)
+    assert "local_rank: 1" in by_kind["kill"]["detection_line"] and "exitcode: -9" in by_kind["kill"]["detection_line"]
     # The ledger written by the ranks (and the drill, for the corruption) says when each fault struck.
     ledger = [json.loads(x) for x in (run_dir / "fault_ledger.jsonl").read_text().splitlines()]
     assert sorted(r["kind"] for r in ledger) == sorted(schedule.ledger_kind(f) for f in schedule.parse("default"))

@@ -212,3 +212,96 @@ def test_checkpoint_differences_name_what_differs():
     assert compare.differences(a, {"sharded.model.w": torch.ones(3)}) == [
         "common.train_state.iteration: only in one of the two"
     ]
+
+
+def _restart_log(*middle: str) -> str:
+    return "\n".join([*[_step(1.0 + i * 0.1, 60 + i) for i in range(10)], *middle])
+
+
+def test_a_restart_is_claimed_by_one_fault_only_and_within_its_window():
+    # The straggler is reported but never stops the job; the kill's restart must not be credited to it.
+    log = _restart_log(
+        _w(2.0, 0, "WARNING x: Straggler detected: Rank=1 Node=vm GPU relative performance Score=0.1 < 0.3"),
+        _l(3.05, "failed (exitcode: -9) local_rank: 0 (pid: 9) of binary: python"),
+        _l(3.1, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
+        _w(9.0, 0, "INFO x: successfully loaded verified checkpoint /c/iter_0000060 at iteration 60"),
+        _step(9.5, 61),
+    )
+    ledger = [
+        {"kind": "slow", "iteration": 60, "rank": 1, "time": T0 + 1.0},
+        {"kind": "kill", "iteration": 70, "rank": 0, "time": T0 + 3.0},
+    ]
+    slow, kill = events.outcomes(events.parse_log(log), schedule.parse("slow@60:1:x6,kill@70:0"), ledger)
+    assert slow.detected is not None and slow.restart is None and not slow.ok
+    assert kill.ok and kill.restart is not None and kill.steps_lost == 69 - 60
+
+
+def test_another_ranks_exit_is_not_the_detection_of_a_kill():
+    log = _restart_log(_l(3.05, "failed (exitcode: 1) local_rank: 0 (pid: 9) of binary: python"))
+    (kill,) = events.outcomes(events.parse_log(log), schedule.parse("kill@70:1"),
+                              [{"kind": "kill", "iteration": 70, "rank": 1, "time": T0 + 3.0}])  # fmt: skip
+    assert kill.detected is None and not kill.ok
+
+
+def test_a_nan_followed_by_a_restart_was_not_recovered_in_place():
+    log = "\n".join(
+        [
+            _w(1.25, 1, "ERROR m: Unexpected result nan on rank 1 at iteration #12 invocation #1"),
+            _l(2.0, "[default] Worker group FAILED. 3/3 attempts left; will restart worker group"),
+            _step(9.0, 12),
+        ]
+    )
+    (nan,) = events.outcomes(events.parse_log(log), schedule.parse("nan@12:1"),
+                             [{"kind": "nan", "iteration": 12, "rank": 1, "time": T0 + 1.2}])  # fmt: skip
+    assert nan.detected is not None and nan.recovered is None and not nan.ok
+
+
+def test_a_detection_stamped_in_the_same_millisecond_as_the_strike_counts():
+    log = "\n".join([_w(1.2, 1, "ERROR m: Unexpected result nan on rank 1 at iteration #12 invocation #1"),
+                     _step(1.6, 12)])  # fmt: skip
+    (nan,) = events.outcomes(events.parse_log(log), schedule.parse("nan@12:1"),
+                             [{"kind": "nan", "iteration": 12, "rank": 1, "time": T0 + 1.2004}])  # fmt: skip
+    assert nan.ok
+
+
+def test_a_hang_after_a_corrupted_local_checkpoint_loses_only_its_own_steps():
+    log = "\n".join(
+        [
+            *[_step(1.0 + 0.1 * i, 40 + i) for i in range(8)],  # up to iteration 47
+            _w(2.0, 0, "ERROR m: fault injection: hang at iteration 48"),
+            _l(3.0, "[WARNING] [RankMonServer7@vm:1] Section 'step' has been open for 1.71 seconds. Timeout is 0.9"),
+            _l(3.2, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
+            _w(9.0, 0, "ERROR m: local checkpoint at iteration 45 failed verification (1 problem(s)): hash"),
+            _w(9.5, 0, "INFO m: successfully loaded verified checkpoint /c/iter_0000038 at iteration 38"),
+            _step(10.0, 39),
+        ]
+    )
+    ledger = [
+        {"kind": "corrupt-local", "iteration": 45, "rank": 1, "time": T0 + 1.55},
+        {"kind": "hang", "iteration": 48, "rank": 1, "time": T0 + 2.0},
+    ]
+    corrupt, hang = events.outcomes(events.parse_log(log), schedule.parse("corrupt-local@45:1,hang@48:1"), ledger)
+    assert (corrupt.resumed_from, corrupt.steps_lost) == (38, 7)
+    assert (hang.resumed_from, hang.steps_lost) == (38, 47 - 45)  # 46 and 47; 39..45 are the corruption's
+    assert hang.detection_s == pytest.approx(1.0, abs=1e-3)
+
+
+def test_without_a_reference_the_drill_cannot_pass():
+    timeline = events.parse_log(_kill_log())
+    found = events.outcomes(timeline, schedule.parse("kill@6:1"), [{"kind": "kill", "iteration": 6, "rank": 1,
+                                                                     "time": T0 + 15.5}])  # fmt: skip
+    unverified = report.DrillResult(found, timeline, 0, 40.0, None, None, equal=None)
+    assert not unverified.passed and "NOT COMPARED" in report.equality_line(unverified)
+
+
+def test_the_drill_refuses_overrides_it_controls_and_a_folder_that_is_not_its_own(tmp_path, capsys):
+    from megatron.bridge.drill import cli
+
+    assert cli.main(["--run-dir", str(tmp_path / "a"), "--", "logger.log_interval=5"]) == 2
+    assert "logger.log_interval" in capsys.readouterr().err
+    precious = tmp_path / "b" / "notes.txt"
+    precious.parent.mkdir()
+    precious.write_text("keep")
+    assert cli.main(["--run-dir", str(precious.parent)]) == 2
+    assert precious.read_text() == "keep" and "not an earlier drill's" in capsys.readouterr().err
+    assert cli.main(["--run-dir", str(tmp_path / "c"), "--faults", "melt@3:0"]) == 2

@@ -19,6 +19,7 @@ from typing import Optional
 
 from megatron.bridge.drill import events, report, runner, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
+from megatron.bridge.training.fault_injection import struck_faults
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,34 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--local-interval", type=int, default=5, help="local-tier checkpoints")
     p.add_argument("--max-restarts", type=int, default=None, help="default: restarting faults + 2")
     p.add_argument("--step-timeout", type=float, default=10.0, help="ft step timeout until one is learned (s)")
-    p.add_argument("--timeout", type=float, default=1200.0, help="kill a run after this many seconds")
+    p.add_argument("--timeout", type=float, default=900.0, help="kill a run (and its ranks) after this many seconds")
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no equality check)")
     return p.parse_args(argv), overrides
+
+
+RESERVED = ("train.train_iters", "checkpoint.", "logger.", "ft.", "nvrx_straggler.", "rerun_state_machine.",
+            "train.exit_signal_handler", "health.", "inprocess_restart.")  # fmt: skip
+"""Override prefixes the drill sets itself: its analysis depends on them (a step log line per iteration, say)."""
+_MARKER = ".mbridge-drill"
+
+
+def _check_overrides(overrides: list[str]) -> None:
+    """Reject overrides of what the drill controls (use its own options instead)."""
+    for item in overrides:
+        if item.split("=", 1)[0].startswith(RESERVED):
+            raise ValueError(
+                f"override {item!r}: the drill sets {item.split('=', 1)[0]} itself (its report depends on it); "
+                "use --train-iters, --save-interval, --local-interval, or a model/optimizer/train field"
+            )
+
+
+def _prepare_run_dir(run_dir: Path) -> None:
+    """Empty ``run_dir`` for a new drill, but only if it is empty or an earlier drill's (never a random folder)."""
+    if run_dir.exists() and any(run_dir.iterdir()) and not (run_dir / _MARKER).exists():
+        raise ValueError(f"--run-dir {run_dir} is not empty and not an earlier drill's; choose another or empty it")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / _MARKER).write_text("a resiliency drill's run directory: emptied by the next drill\n")
 
 
 def _ft_launcher() -> str:
@@ -96,7 +122,7 @@ def _train(
         _ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}",
         f"--ft-rank-section-timeouts=setup:300,step:{args.step_timeout:g},checkpointing:120",
-        "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1",
+        "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=10",
         str(ENTRY), *training_overrides(args, run, args.run_dir / "tensorboard" / label), *overrides,
     ]  # fmt: skip
     start = time.time()
@@ -115,25 +141,16 @@ def _train(
     return code, time.time() - start, log_path.read_text(errors="replace")
 
 
-def _ledger(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
 def _compare(reference: Path, drill: Path) -> tuple[Optional[bool], list[str], int]:
     from megatron.bridge.training.checkpoint import compare
 
     for path in (reference, drill):
         if not (path / "common.pt").exists():
             return False, [f"{path} holds no committed checkpoint"], 0
-    a, b = compare.checkpoint_state(reference), compare.checkpoint_state(drill)
+    try:
+        a, b = compare.checkpoint_state(reference), compare.checkpoint_state(drill)
+    except Exception as err:  # noqa: BLE001 - an unreadable checkpoint is a failed comparison, reported as such
+        return False, [f"could not read the final checkpoints: {type(err).__name__}: {err}"], 0
     diffs = compare.differences(a, b)
     return not diffs, diffs, compare.tensor_count(a)
 
@@ -148,12 +165,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         max_restarts = args.max_restarts if args.max_restarts is not None else restarting + 2
         plan = Plan(args.train_iters, args.nproc, args.save_interval, args.local_interval, max_restarts)
         schedule.check(faults, plan)
+        _check_overrides(overrides)
+        _prepare_run_dir(args.run_dir)
     except ValueError as err:
         print(f"drill: {err}", file=sys.stderr)
         return 2
     run_dir = args.run_dir
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
     print(f"[drill] {args.nproc} ranks, {args.train_iters} iterations under ft_launcher, every feature on")
     print(f"[drill] faults: {', '.join(f.label for f in faults) or 'none'}; max restarts {max_restarts}")
     reference_wall, reference_timeline = None, None
@@ -167,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("[drill] 2/2: the run with faults", flush=True)
     code, wall, text = _train(args, run_dir, "drill", faults, overrides, max_restarts)
     timeline = events.parse_log(text)
-    found = events.outcomes(timeline, faults, _ledger(run_dir / "fault_ledger.jsonl"))
+    found = events.outcomes(timeline, faults, struck_faults(str(run_dir / "fault_ledger.jsonl")))
     final = f"iter_{args.train_iters:07d}"
     equal, diffs, count = (None, [], 0)
     if reference_timeline is not None:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.bridge.drill.schedule import DrillFault, ledger_kind
+from megatron.bridge.drill.schedule import RESTARTING, DrillFault, ledger_kind
 
 _WORKER_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] ")
 _LAUNCHER_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] ")
@@ -19,15 +19,24 @@ _RESUMED = re.compile(
     r"\[rank0\] .*(?:successfully loaded verified checkpoint \S+|loaded verified local checkpoint) at iteration (\d+)"
     r"|\[rank0\] .*(training starts at iteration 0)"
 )
-_LAUNCHER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
-_DETECTION = {
-    "kill": [_LAUNCHER_FAILED],
-    "hang": [re.compile(r"Section '\w+' has been open for"), re.compile(r"FT timeout elapsed"), _LAUNCHER_FAILED],
-    "preempt": [re.compile(r"Preemption detected, saving checkpoint and exiting")],
-    "nan": [re.compile(r"Unexpected result nan on rank")],
-    "slow": [],  # per rank: see _detection_patterns
-    "corrupt-local": [],
-}
+_LOCAL_REJECTED = re.compile(r"local checkpoint at iteration (\d+) failed verification")
+_SLACK = 0.001
+"""Log timestamps are cut to the millisecond: a line stamped up to 1 ms before a ledger time may follow it."""
+
+
+def _detection_patterns(fault: DrillFault) -> list[re.Pattern]:
+    """Log lines that show the mechanism meant for ``fault`` noticed it (on a single node local rank = rank)."""
+    killed = re.compile(rf"failed \(exitcode: -9\) local_rank: {fault.rank} ")
+    return {
+        "kill": [killed],
+        "hang": [re.compile(rf"\[RankMonServer\d+@[^:\]]+:{fault.rank}\] Section '\w+' has been open for"), killed],
+        "preempt": [re.compile(r"Preemption detected, saving checkpoint and exiting")],
+        "nan": [re.compile(rf"Unexpected result nan on rank {fault.rank} at iteration #{fault.iteration}\b")],
+        "slow": [re.compile(rf"Straggler detected: Rank={fault.rank} ")],
+        "corrupt-local": [re.compile(rf"local checkpoint at iteration {fault.iteration} failed verification")],
+    }[fault.kind]
+
+
 DETECTED_BY = {
     "kill": "ft_launcher: worker exited (signal 9)",
     "hang": "rank monitor: section timeout",
@@ -109,6 +118,8 @@ class Outcome:
     steps_lost: Optional[int] = None
     restart: Optional[float] = None
     """When the launcher restarted the workers for this fault (``None``: recovered in place)."""
+    detection_line: Optional[str] = None
+    """The log line taken as the detection."""
 
     @property
     def detection_s(self) -> Optional[float]:
@@ -126,57 +137,88 @@ class Outcome:
         return None not in (self.struck, self.detected, self.recovered)
 
 
-def _detection_patterns(fault: DrillFault) -> list[re.Pattern]:
-    if fault.kind == "slow":
-        return [re.compile(rf"Straggler detected: Rank={fault.rank} ")]
-    if fault.kind == "corrupt-local":
-        return [re.compile(rf"local checkpoint at iteration {fault.iteration} failed verification")]
-    return _DETECTION[fault.kind]
-
-
 def _first(lines: list[Line], after: float, patterns: list[re.Pattern]) -> Optional[Line]:
-    return next((x for x in lines if x.time >= after and any(p.search(x.text) for p in patterns)), None)
+    return next((x for x in lines if x.time >= after - _SLACK and any(p.search(x.text) for p in patterns)), None)
 
 
 def outcomes(timeline: Timeline, faults: list[DrillFault], ledger: list[dict]) -> list[Outcome]:
-    """Match each scheduled fault with its strike (from the ledger), detection, restart and recovery."""
-    result = []
-    for fault in faults:
-        outcome = Outcome(fault)
-        result.append(outcome)
-        record = next(
-            (
-                r
-                for r in ledger
-                if r["kind"] == ledger_kind(fault) and r["iteration"] == fault.iteration and r["rank"] == fault.rank
-            ),
-            None,
-        )
-        if record is None:
+    """Match each scheduled fault with its strike (from the ledger), detection, restart and recovery.
+
+    A restarting fault claims the first restart after its detection and before the next restarting fault struck;
+    a restart is claimed once. A NaN counts as recovered in place only if no restart came between it and the
+    completed step.
+
+    Args:
+        timeline: the parsed log of the run with faults.
+        faults: the schedule, sorted by iteration.
+        ledger: the fault ledger's records (when each fault struck).
+
+    Returns:
+        One :class:`Outcome` per fault, in schedule order; what could not be matched stays ``None``.
+    """
+    result = [Outcome(fault) for fault in faults]
+    for outcome in result:
+        fault = outcome.fault
+        record = next((r for r in ledger if _is_record_of(r, fault)), None)
+        if record is not None:
+            outcome.struck = float(record["time"])
+    claimed: set[float] = set()
+    for i, outcome in enumerate(result):
+        fault = outcome.fault
+        if outcome.struck is None:
             continue
-        outcome.struck = float(record["time"])
         detected = _first(timeline.lines, outcome.struck, _detection_patterns(fault))
         if detected is None:
             continue
         outcome.detected = detected.time
+        outcome.detection_line = detected.text.strip()
         if fault.kind == "nan":
-            done = next((t for t, it, _ in timeline.steps if t >= detected.time and it == fault.iteration), None)
-            outcome.recovered, outcome.steps_lost = done, 0 if done is not None else None
-            continue
-        if fault.kind == "corrupt-local":
+            _recovered_in_place(outcome, timeline)
+        elif fault.kind == "corrupt-local":
             _after_load(outcome, timeline, detected.time)
             if outcome.resumed_from is not None:
                 outcome.steps_lost = fault.iteration - outcome.resumed_from
-            continue
-        restart = next((t for t in timeline.restarts if t >= outcome.struck), None)
-        if restart is None:
-            continue
-        outcome.restart = restart
-        _after_load(outcome, timeline, restart)
-        done_before = [it for t, it, _ in timeline.steps if t <= restart]
-        if outcome.resumed_from is not None and done_before:
-            outcome.steps_lost = max(0, done_before[-1] - outcome.resumed_from)
+        else:
+            later = [o.struck for o in result[i + 1 :] if o.fault.kind in RESTARTING and o.struck is not None]
+            until = min(later, default=float("inf"))
+            restart = next((t for t in timeline.restarts if detected.time - _SLACK <= t < until), None)
+            if restart is None or restart in claimed:
+                continue
+            claimed.add(restart)
+            outcome.restart = restart
+            _after_load(outcome, timeline, restart)
+            done = [it for t, it, _ in timeline.steps if t <= restart]
+            if outcome.resumed_from is not None and done:
+                # A local checkpoint rejected on the way counts as the one resumed: what the fallback cost
+                # beyond it is the corruption's loss, not this fault's.
+                rejected = [int(m.group(1)) for t, m in _matches(timeline, _LOCAL_REJECTED, restart, outcome.recovered)]
+                outcome.steps_lost = done[-1] - max([outcome.resumed_from, *rejected])
     return result
+
+
+def _is_record_of(record: dict, fault: DrillFault) -> bool:
+    return (record.get("kind"), record.get("iteration"), record.get("rank")) == (
+        ledger_kind(fault),
+        fault.iteration,
+        fault.rank,
+    )
+
+
+def _matches(
+    timeline: Timeline, pattern: re.Pattern, since: float, until: Optional[float]
+) -> list[tuple[float, re.Match]]:
+    end = float("inf") if until is None else until
+    found = ((x.time, pattern.search(x.text)) for x in timeline.lines if since <= x.time <= end)
+    return [(t, m) for t, m in found if m is not None]
+
+
+def _recovered_in_place(outcome: Outcome, timeline: Timeline) -> None:
+    """A NaN: recovered when its iteration completes with no restart in between (else it was not in place)."""
+    assert outcome.detected is not None
+    done = next((t for t, it, _ in timeline.steps if t >= outcome.detected and it == outcome.fault.iteration), None)
+    if done is None or any(outcome.detected <= t <= done for t in timeline.restarts):
+        return
+    outcome.recovered, outcome.steps_lost = done, 0
 
 
 def _after_load(outcome: Outcome, timeline: Timeline, since: float) -> None:

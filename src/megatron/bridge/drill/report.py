@@ -33,8 +33,8 @@ class DrillResult:
 
     @property
     def passed(self) -> bool:
-        """Finished, every fault detected and recovered, and the final state equal to the reference."""
-        return self.exit_code == 0 and all(o.ok for o in self.outcomes) and self.equal is not False
+        """Finished, every fault detected and recovered, and the final state equal to the reference (compared)."""
+        return self.exit_code == 0 and all(o.ok for o in self.outcomes) and self.equal is True
 
 
 def _secs(value: Optional[float]) -> str:
@@ -95,7 +95,7 @@ def goodput_lines(result: DrillResult) -> list[str]:
 def equality_line(result: DrillResult) -> str:
     """The verdict on the final training state."""
     if result.equal is None:
-        return "final state: not compared (no reference run)"
+        return "final state: NOT COMPARED (--no-reference): the drill cannot pass without the comparison"
     if result.equal:
         return (
             f"final state EQUAL to the fault-free run with the same seed: {result.tensors_compared} tensors "
@@ -134,6 +134,7 @@ def to_json(result: DrillResult) -> dict[str, Any]:
                 "resumed_from": o.resumed_from,
                 "steps_lost": o.steps_lost,
                 "restarted": o.restart is not None,
+                "detection_line": o.detection_line,
             }
             for o in result.outcomes
         ],

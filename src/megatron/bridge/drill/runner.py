@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from megatron.bridge.drill.schedule import DrillFault
+from megatron.bridge.training.fault_injection import descendants
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,14 @@ def launch_and_watch(
     """
     start = time.monotonic()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, bufsize=1
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=env,
+        start_new_session=True,
+        bufsize=1,
     )
     timer = threading.Timer(timeout, _kill_group, args=(proc,))
     timer.daemon = True
@@ -65,10 +73,15 @@ def launch_and_watch(
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL the launcher and every process below it.
+
+    ft_launcher starts its workers in sessions of their own, and a stopped worker would keep the output pipe open.
+    """
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _show(line: str, label: str, elapsed: float, out: TextIO) -> None:

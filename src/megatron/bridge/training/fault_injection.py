@@ -124,7 +124,7 @@ def _record_strike(fault: Fault) -> None:
         os.close(fd)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """PIDs of every process below ``pid`` (Linux ``/proc``), children before grandchildren."""
     found, queue = [], [pid]
     while queue:
@@ -156,7 +156,7 @@ def strike(kind: str, where: str) -> None:
     elif kind == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
     elif kind == "sigterm-tree":
-        for pid in [*_descendants(os.getpid()), os.getpid()]:
+        for pid in [*descendants(os.getpid()), os.getpid()]:
             os.kill(pid, signal.SIGTERM)
     elif kind == "stall":
         stall_forever()
