@@ -141,6 +141,15 @@ def _train(
     return code, time.time() - start, log_path.read_text(errors="replace")
 
 
+def _final_summary(path: Path, train_iters: int) -> Optional[dict]:
+    """The job's goodput summary, if the attempt that wrote it finished training (not one an earlier attempt left)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("iteration") == train_iters else None
+
+
 def _compare(reference: Path, drill: Path) -> tuple[Optional[bool], list[str], int]:
     from megatron.bridge.training.checkpoint import compare
 
@@ -197,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         exit_code=code,
         wall_s=wall,
         reference_wall_s=reference_wall,
-        goodput=json.loads(summary.read_text()) if summary.exists() else None,
+        goodput=_final_summary(summary, args.train_iters),
         equal=equal,
         differences=diffs,
         tensors_compared=count,

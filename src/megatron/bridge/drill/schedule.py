@@ -23,6 +23,8 @@ DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,hang@48:1,slow@60:
 KINDS = ("kill", "hang", "preempt", "nan", "slow", "corrupt-local")
 RESTARTING = ("kill", "hang", "preempt", "slow")
 """Kinds after which the job restarts (``slow``: the straggler stop, exit 21, then the in-job restart)."""
+SLOW_MARGIN = 15
+"""Iterations a ``slow`` fault needs before the end: straggler reports come every second, and slowed steps are long."""
 _WORKER_KIND = {"kill": "kill", "hang": "hang", "preempt": "sigterm", "nan": "nan", "slow": "slow"}
 """The ``MBRIDGE_FAULTS`` kind that injects each drill kind inside the training processes."""
 
@@ -99,6 +101,12 @@ def check(faults: list[DrillFault], plan: Plan) -> None:
             raise ValueError(f"--faults: {fault.label} is outside 1..{plan.train_iters - 1} (--train-iters)")
         if fault.rank >= plan.nproc:
             raise ValueError(f"--faults: {fault.label} names rank {fault.rank}, but the drill runs {plan.nproc} ranks")
+        if fault.kind == "slow" and (plan.nproc < 2 or fault.iteration > plan.train_iters - SLOW_MARGIN):
+            raise ValueError(
+                f"--faults: {fault.label}: a slow rank is found by comparing it with the others, over a few reports: "
+                f"it needs 2 or more ranks and {SLOW_MARGIN} iterations after it (at most iteration "
+                f"{plan.train_iters - SLOW_MARGIN})"
+            )
         if fault.kind != "corrupt-local":
             continue
         if fault.iteration % plan.local_interval or not fault.iteration % plan.save_interval:
