@@ -36,6 +36,8 @@ def timeline_png(
     for i, t in enumerate(drill.restarts):
         ax.axvline(t - t0, color="black", lw=0.8, ls=":", label="in-job restart" if i == 0 else None)
     top = max((it for _, it, _ in drill.steps), default=1)
+    span = max((drill.end or t0) - t0, 1.0)
+    last_label_x, low = float("-inf"), False
     for o in outcomes:
         if o.struck is None:
             continue
@@ -43,13 +45,15 @@ def timeline_png(
         end = o.recovered if o.recovered is not None else (drill.end or o.struck)
         ax.axvspan(o.struck - t0, end - t0, color=color, alpha=0.15)
         ax.axvline(o.struck - t0, color=color, lw=1.5)
-        ax.annotate(o.fault.label, (o.struck - t0, top * 1.02), rotation=90, va="bottom", ha="right", fontsize=8,
-                    color=color)  # fmt: skip
+        low = not low and o.struck - t0 - last_label_x < 0.03 * span  # labels of faults close in time: staggered
+        last_label_x = o.struck - t0
+        ax.annotate(o.fault.label, (o.struck - t0, top * (0.72 if low else 1.02)), rotation=90, va="bottom",
+                    ha="right", fontsize=8, color=color)  # fmt: skip
         if o.detected is not None:
             ax.plot([o.detected - t0], [o.fault.iteration], "x", color=color, ms=8)
     ax.set_xlabel("wall time since launch (s)")
     ax.set_ylabel("iteration")
-    ax.set_ylim(0, top * 1.25)
+    ax.set_ylim(0, top * 1.3)
     ax.set_title(title or "resiliency drill: faults (shaded: strike to recovery, x: detection) and restarts")
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
