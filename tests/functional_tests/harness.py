@@ -3,7 +3,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import compare
 
@@ -35,13 +35,6 @@ class Run:
     def losses(self) -> dict[int, float]:
         """The loss rank 0 logged at each iteration."""
         return {int(m.group(1)): float(m.group(2)) for m in _LOSS_RE.finditer(self.output)}
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_processes_with_marker(marker: str) -> list[int]:

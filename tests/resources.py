@@ -1,0 +1,57 @@
+"""Ports and directories for tests, from one place, so that two test runs on one machine never collide.
+
+A port "free a moment ago" (bind to port 0, close, hand the number out) is not enough when several pytest workers
+and several suites run side by side: another process can be handed the same number before the launcher binds it.
+:func:`free_port` instead reserves each port for the life of the process that asked: it takes an exclusive
+``flock`` on a lock file named after the port (under the system temporary directory, shared by every run on the
+machine) and keeps it until the process exits, so no other test process on the machine can be given that port
+meanwhile. Ports come from a range below the kernel's ephemeral range, which the kernel never hands out on its own
+to a socket bound to port 0 or to an outgoing connection.
+
+Directories: every test writes under pytest's ``tmp_path`` / ``tmp_path_factory``; ``scripts/run_tests.sh`` gives
+each run its own ``--basetemp``, so runs do not share or clean up each other's directories.
+"""
+
+import fcntl
+import os
+import random
+import socket
+import tempfile
+
+PORT_RANGE = (20000, 32000)
+"""Ports handed out to tests: below Linux's default ephemeral range (32768-60999)."""
+_LOCK_DIR = os.path.join(tempfile.gettempdir(), "mbridge-test-ports")
+_held: dict[int, int] = {}
+"""Port -> file descriptor of its lock, held until this process exits."""
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no other test process on this machine will be given while this one lives."""
+    os.makedirs(_LOCK_DIR, exist_ok=True)
+    low, high = PORT_RANGE
+    start = random.randrange(low, high)
+    for offset in range(high - low):
+        port = low + (start - low + offset) % (high - low)
+        if port in _held:
+            continue
+        fd = os.open(os.path.join(_LOCK_DIR, f"{port}.lock"), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another test process holds it
+            os.close(fd)
+            continue
+        if not _bindable(port):  # something outside the tests uses it
+            os.close(fd)
+            continue
+        _held[port] = fd
+        return port
+    raise RuntimeError(f"no free port left in {PORT_RANGE}: {len(_held)} held by this process")
