@@ -1,23 +1,52 @@
 #!/usr/bin/env bash
-# Set up the environment and run the whole test suite: lint, unit tests, then the functional fault drills
-# (real 2-rank runs on CPU with gloo). Extra arguments go to pytest.
+# Set up the environment and run the test suite. Two tiers:
+#
+#   bash scripts/run_tests.sh          # everything (CI): lint, the unit tier, then the functional fault drills
+#   bash scripts/run_tests.sh --fast   # lint and the unit tier only (our own logic; under 3 minutes)
+#
+# Extra arguments go to pytest. The functional tier (real 2-rank runs on CPU with gloo, real Slurm) runs on
+# PYTEST_WORKERS parallel workers (default 3: most drills wait on timeouts, signals and restarts rather than compute);
+# the drills that share one Slurm cluster run on one worker. Each run gets its own temporary directory, so two runs
+# on one machine do not collide; it is removed when the run passes. Every test has a time limit (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
+
+install_start=$(date +%s)
 bash scripts/setup_env.sh
-bash scripts/setup_slurm.sh
+[ "$fast" = 1 ] || bash scripts/setup_slurm.sh
+echo "[tests] install took $(( $(date +%s) - install_start )) s"
 export PATH="$PWD/.venv/bin:$PATH"
 
 echo "[tests] ruff"
 ruff check src tests examples benchmarks
 ruff format --check src tests examples benchmarks
 
-echo "[tests] pytest"
-set +e
-python -m pytest tests -v --durations=15 "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-  echo "[tests] pytest collected no tests: that is a failure" >&2
-  exit 1
+basetemp=$(mktemp -d "${TMPDIR:-/tmp}/mbridge-tests.XXXXXX")
+run() {  # run pytest; exit 5 (nothing collected) is a failure
+  local status=0
+  python -m pytest -p no:cacheprovider --basetemp="$basetemp/$1" "${@:2}" || status=$?
+  if [ "$status" -eq 5 ]; then
+    echo "[tests] pytest collected no tests: that is a failure" >&2
+    return 1
+  fi
+  return "$status"
+}
+
+start=$(date +%s)
+echo "[tests] unit tier"
+run unit tests -m "not functional" -q --durations=10 "$@"
+echo "[tests] unit tier took $(( $(date +%s) - start )) s"
+if [ "$fast" = 0 ]; then
+  func_start=$(date +%s)
+  echo "[tests] functional tier on ${PYTEST_WORKERS:-3} workers"
+  run functional tests -m functional -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadgroup "$@"
+  echo "[tests] functional tier took $(( $(date +%s) - func_start )) s"
 fi
-exit "$status"
+echo "[tests] pytest took $(( $(date +%s) - start )) s in all"
+rm -rf "$basetemp"

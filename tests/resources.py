@@ -9,18 +9,25 @@ meanwhile. Ports come from a range below the kernel's ephemeral range, which the
 to a socket bound to port 0 or to an outgoing connection.
 
 Directories: every test writes under pytest's ``tmp_path`` / ``tmp_path_factory``; ``scripts/run_tests.sh`` gives
-each run its own ``--basetemp``, so runs do not share or clean up each other's directories.
+each run its own ``--basetemp``, so runs do not share or clean up each other's directories. Set-up that several
+tests (and several pytest-xdist workers) share is made once per run with :func:`once_per_run`.
 """
 
 import fcntl
 import os
+import pickle
 import random
+import shutil
 import socket
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 PORT_RANGE = (20000, 32000)
 """Ports handed out to tests: below Linux's default ephemeral range (32768-60999)."""
 _LOCK_DIR = os.path.join(tempfile.gettempdir(), "mbridge-test-ports")
+T = TypeVar("T")
 _held: dict[int, int] = {}
 """Port -> file descriptor of its lock, held until this process exits."""
 
@@ -55,3 +62,33 @@ def free_port() -> int:
         _held[port] = fd
         return port
     raise RuntimeError(f"no free port left in {PORT_RANGE}: {len(_held)} held by this process")
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """A directory shared by every pytest worker of this run (pytest-xdist workers each have their own basetemp)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], T]) -> T:
+    """``make(directory)``, run once per test run whichever worker asks first; the others wait and get its result.
+
+    For expensive shared set-up (a reference training run, a base checkpoint) that several workers need: the
+    first caller holds a lock while it makes ``<shared>/<name>/`` and pickles the result; a later caller, in any
+    worker, takes the lock, finds the result and returns it. A failed ``make`` leaves no result: its caller gets
+    the error and the next caller makes it afresh.
+    """
+    root = shared_root(tmp_path_factory)
+    directory, result = root / name, root / f"{name}.result.pickle"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another worker makes it
+        if result.exists():
+            return pickle.loads(result.read_bytes())
+        if directory.exists():  # an earlier attempt failed half-way
+            shutil.rmtree(directory)
+        directory.mkdir()
+        value = make(directory)
+        result.write_bytes(pickle.dumps(value))
+        return value

@@ -2,7 +2,6 @@
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tests import processes
 from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import compare
@@ -38,21 +38,11 @@ class Run:
 
 
 def kill_processes_with_marker(marker: str) -> list[int]:
-    """SIGKILL every process whose environment holds ``MBRIDGE_TEST_RUN=<marker>``; return their PIDs.
+    """SIGKILL every process of the launch tagged ``MBRIDGE_TEST_RUN=<marker>``; return their PIDs.
 
     A SIGKILLed rank can leave helper processes behind (writers, managers); a test run must not leak them.
     """
-    needle = f"MBRIDGE_TEST_RUN={marker}".encode()
-    killed = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-                    killed.append(int(pid))
-        except (OSError, ProcessLookupError):
-            continue
-    return killed
+    return processes.kill_tagged(processes.RUN, marker)
 
 
 def torchrun(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300, nproc: int = 2) -> Run:
@@ -97,17 +87,21 @@ def launch(launcher: list[str], ckpt_dir: Path, *overrides: str, env: dict | Non
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, **(env or {})}
     with tempfile.TemporaryFile(mode="w+") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO)
+        stuck = ""
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            returncode = -999
+            returncode, stuck = -999, processes.stacks(processes.tagged(processes.RUN, marker))
+        except BaseException:  # the test's time limit, or an interrupt: show where the launch was
+            print(processes.stacks(processes.tagged(processes.RUN, marker)))
+            raise
         finally:
             kill_processes_with_marker(marker)
             proc.wait()
         out.seek(0)
         output = out.read()
     if returncode == -999:
-        raise AssertionError(f"training did not finish within {timeout} s:\n" + output[-4000:])
+        raise AssertionError(f"training did not finish within {timeout} s:\n{output[-4000:]}\n{stuck}")
     return Run(returncode, output)
 
 
@@ -143,7 +137,7 @@ def without_launcher(
         out = tempfile.TemporaryFile(mode="w+")
         files.append(out)
         procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=REPO))
-    codes = []
+    codes, stuck = [], ""
     try:
         for proc in procs:
             remaining = max(1.0, timeout - (time.monotonic() - start))
@@ -151,6 +145,11 @@ def without_launcher(
                 codes.append(proc.wait(timeout=remaining))
             except subprocess.TimeoutExpired:
                 codes.append(-999)
+        if -999 in codes:
+            stuck = processes.stacks(processes.tagged(processes.RUN, marker))
+    except BaseException:  # the test's time limit, or an interrupt: show where the ranks were
+        print(processes.stacks(processes.tagged(processes.RUN, marker)))
+        raise
     finally:
         kill_processes_with_marker(marker)
         for proc in procs:
@@ -161,7 +160,8 @@ def without_launcher(
         outputs.append(out.read())
         out.close()
     if -999 in codes:
-        raise AssertionError(f"a rank did not finish within {timeout} s:\n" + "\n".join(o[-3000:] for o in outputs))
+        ranks = "\n".join(o[-3000:] for o in outputs)
+        raise AssertionError(f"a rank did not finish within {timeout} s:\n{ranks}\n{stuck}")
     return RankRuns(codes, outputs)
 
 

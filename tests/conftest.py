@@ -1,0 +1,82 @@
+"""Suite-wide rules: two tiers, a time limit on every test, and no process outliving its test.
+
+- Tiers: everything under ``tests/functional_tests/`` carries the ``functional`` marker (real multi-process runs),
+  as does a test elsewhere that is marked so; the rest is the unit tier (``pytest -m "not functional"``, our own logic, mocks allowed).
+- Parallel workers (pytest-xdist, ``--dist loadgroup``): the tests that share a module-scoped fixture (a Slurm
+  cluster, a drill's run) are one group, run by one worker, so the fixture is made once; session-wide shared runs
+  are made once per run across workers (``tests/resources.once_per_run``).
+- Time limits (pytest-timeout): ``UNIT_TIMEOUT`` seconds for a unit test, ``FUNCTIONAL_TIMEOUT`` for a functional
+  one, unless the test sets its own ``@pytest.mark.timeout``. The limit covers set-up, so a shared fixture that
+  trains a reference run counts against the first test that asks for it.
+- Processes: each test runs with ``MBRIDGE_TEST_ID`` set, so every process it starts carries it. When the test
+  fails (a time limit included), the report gets a section with the Python stacks of those still alive; after the
+  test, any left are killed.
+"""
+
+import os
+import uuid
+
+import pytest
+from tests import processes
+
+UNIT_TIMEOUT = 60
+FUNCTIONAL_TIMEOUT = 600
+_FUNCTIONAL_DIR = os.path.join(os.path.dirname(__file__), "functional_tests")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        functional = item.get_closest_marker("functional") is not None
+        if not functional and str(item.path).startswith(_FUNCTIONAL_DIR + os.sep):
+            item.add_marker(pytest.mark.functional)
+            functional = True
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FUNCTIONAL_TIMEOUT if functional else UNIT_TIMEOUT))
+        if item.get_closest_marker("xdist_group") is None and _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` needs a module-scoped fixture: then its module's tests share one worker (made once)."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest's per-item fixture closure (not public API)
+    if info is None:
+        return False
+    return any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values() if defs)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    test_id = uuid.uuid4().hex[:16]
+    previous = os.environ.get(processes.TEST_ID)
+    os.environ[processes.TEST_ID] = test_id
+    item.stash[_TEST_ID] = test_id
+    try:
+        yield
+    finally:
+        leftovers = processes.kill_tagged(processes.TEST_ID, test_id)
+        if previous is None:
+            os.environ.pop(processes.TEST_ID, None)
+        else:
+            os.environ[processes.TEST_ID] = previous
+        if leftovers:
+            item.config.stash.setdefault(_LEFTOVERS, []).append((item.nodeid, leftovers))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _TEST_ID in item.stash:
+        alive = processes.tagged(processes.TEST_ID, item.stash[_TEST_ID])
+        if alive:
+            report.sections.append((f"stacks of the {len(alive)} processes still alive", processes.stacks(alive)))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for nodeid, pids in config.stash.get(_LEFTOVERS, []):
+        terminalreporter.write_line(f"[processes] killed {len(pids)} left behind by {nodeid}: {pids}")
+
+
+_TEST_ID = pytest.StashKey[str]()
+_LEFTOVERS = pytest.StashKey[list]()

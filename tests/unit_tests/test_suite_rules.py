@@ -1,0 +1,78 @@
+"""The suite's own rules (tests/conftest.py): tiers by directory, a time limit on every test, no leftover process."""
+
+import os
+import time
+from pathlib import Path
+
+pytest_plugins = ["pytester"]
+REPO = Path(__file__).resolve().parents[2]
+
+_STUCK = '''
+import subprocess, sys, time
+import pytest
+
+CHILD = """
+import os, time
+def stuck_in_the_child():
+    time.sleep(600)
+open(os.environ["PID_FILE"], "w").write(str(os.getpid()))
+stuck_in_the_child()
+"""
+
+@pytest.mark.timeout(4)
+def test_stuck(tmp_path):
+    subprocess.Popen([sys.executable, "-c", CHILD])
+    time.sleep(600)
+
+def test_quick():
+    pass
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_test_past_its_limit_fails_with_its_processes_stacks_and_leaves_none(pytester, tmp_path):
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(test_stuck=_STUCK)
+    pid_file = tmp_path / "child.pid"
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PID_FILE": str(pid_file)}
+    for key, value in env.items():
+        pytester._monkeypatch.setenv(key, value)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", timeout=120)
+    result.assert_outcomes(failed=1, passed=1)
+    out = result.stdout.str()
+    assert "Timeout (0:00:04)" in out or "Timeout" in out
+    assert "stacks of the 1 processes still alive" in out, out[-3000:]
+    assert "stuck_in_the_child" in out, out[-3000:]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"the stuck test's child {pid} outlived it"
+
+
+def test_every_test_under_functional_tests_is_marked_functional_and_has_a_limit(pytester):
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.mkdir("functional_tests")
+    pytester.makepyfile(test_unit="def test_u(): pass")
+    Path(pytester.path, "functional_tests", "test_f.py").write_text("def test_f(): pass\n")
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
+    marks = {item.name: item for item in items}
+    assert marks["test_f"].get_closest_marker("functional") is not None
+    assert marks["test_u"].get_closest_marker("functional") is None
+    assert marks["test_u"].get_closest_marker("timeout").args == (60,)
+    assert marks["test_f"].get_closest_marker("timeout").args == (600,)
+
+
+def test_an_unknown_marker_is_an_error(pytester):
+    pytester.makepyprojecttoml((REPO / "pyproject.toml").read_text())
+    pytester.makepyfile(test_typo="import pytest\n\n@pytest.mark.functinal\ndef test_t(): pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*'functinal' not found in `markers` configuration option*"])
