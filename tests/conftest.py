@@ -1,7 +1,8 @@
 """Suite-wide rules: two tiers, a time limit on every test, and no process outliving its test.
 
 - Tiers: everything under ``tests/functional_tests/`` carries the ``functional`` marker (real multi-process runs),
-  as does a test elsewhere that is marked so; the rest is the unit tier (``pytest -m "not functional"``, our own logic, mocks allowed).
+  as does a test elsewhere that is marked so; the rest is the unit tier (``pytest -m "not functional"``, our own
+  logic, mocks allowed).
 - Parallel workers (pytest-xdist, ``--dist loadgroup``): the tests that share a module-scoped fixture (a Slurm
   cluster, a drill's run) are one group, run by one worker, so the fixture is made once; session-wide shared runs
   are made once per run across workers (``tests/resources.once_per_run``).
