@@ -5,8 +5,9 @@ and several suites run side by side: another process can be handed the same numb
 :func:`free_port` instead reserves each port for the life of the process that asked: it takes an exclusive
 ``flock`` on a lock file named after the port (under the system temporary directory, shared by every run on the
 machine) and keeps it until the process exits, so no other test process on the machine can be given that port
-meanwhile. Ports come from a range below the kernel's ephemeral range, which the kernel never hands out on its own
-to a socket bound to port 0 or to an outgoing connection.
+meanwhile. Ports go out in blocks (a launch also listens on the ports just above its own), from a range below the
+kernel's ephemeral range, which the kernel never hands out on its own to a socket bound to port 0 or to an
+outgoing connection.
 
 Directories: every test writes under pytest's ``tmp_path`` / ``tmp_path_factory``; ``scripts/run_tests.sh`` gives
 each run its own ``--basetemp``, so runs do not share or clean up each other's directories. Set-up that several
@@ -26,10 +27,13 @@ from typing import TypeVar
 
 PORT_RANGE = (20000, 32000)
 """Ports handed out to tests: below Linux's default ephemeral range (32768-60999)."""
+PORT_BLOCK = 4
+"""Ports reserved together: a launch listens on its port and on the next ones (in-process restart's store is on
+``MASTER_PORT + 2``)."""
 _LOCK_DIR = os.path.join(tempfile.gettempdir(), "mbridge-test-ports")
 T = TypeVar("T")
 _held: dict[int, int] = {}
-"""Port -> file descriptor of its lock, held until this process exits."""
+"""First port of a block -> file descriptor of its lock, held until this process exits."""
 
 
 def _bindable(port: int) -> bool:
@@ -42,12 +46,13 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no other test process on this machine will be given while this one lives."""
+    """A TCP port on 127.0.0.1 such that it and the next ``PORT_BLOCK - 1`` ports are given to no other test
+    process on this machine while this one lives."""
     os.makedirs(_LOCK_DIR, exist_ok=True)
-    low, high = PORT_RANGE
-    start = random.randrange(low, high)
-    for offset in range(high - low):
-        port = low + (start - low + offset) % (high - low)
+    low, count = PORT_RANGE[0], (PORT_RANGE[1] - PORT_RANGE[0]) // PORT_BLOCK
+    first = random.randrange(count)
+    for offset in range(count):
+        port = low + (first + offset) % count * PORT_BLOCK
         if port in _held:
             continue
         fd = os.open(os.path.join(_LOCK_DIR, f"{port}.lock"), os.O_CREAT | os.O_RDWR, 0o666)
@@ -56,12 +61,12 @@ def free_port() -> int:
         except OSError:  # another test process holds it
             os.close(fd)
             continue
-        if not _bindable(port):  # something outside the tests uses it
+        if not all(_bindable(p) for p in range(port, port + PORT_BLOCK)):  # something outside the tests uses one
             os.close(fd)
             continue
         _held[port] = fd
         return port
-    raise RuntimeError(f"no free port left in {PORT_RANGE}: {len(_held)} held by this process")
+    raise RuntimeError(f"no free port block left in {PORT_RANGE}: {len(_held)} held by this process")
 
 
 def shared_root(tmp_path_factory) -> Path:
