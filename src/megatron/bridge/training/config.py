@@ -186,13 +186,27 @@ class FaultToleranceConfig:
     calc_ft_timeouts: bool = False
     """Compute section timeouts from observed times and save them to ``ft_state.json``."""
     simulate_fault: bool = False
-    """Inject a fault for testing."""
+    """Inject a fault for testing: a timed fault of the fault-injection registry (``<kind>@<delay>s:<rank>``)."""
     simulated_fault_type: str = "random"
     """``"rank_hung"``, ``"rank_killed"`` or ``"random"``."""
     simulated_fault_rank: Optional[int] = None
     """Rank to fault; ``None`` picks one at random."""
     simulated_fault_base_delay: float = 0
     """Seconds after setup before the simulated fault strikes."""
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Real faults on demand, for tests and drills (``training/fault_injection.py`` documents the spec)."""
+
+    faults: str = ""
+    """Comma-separated faults ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.
+    ``"kill@8:1,stall@6:1:save.during_write,nan@8:0:local_save"``; ``$MBRIDGE_FAULTS`` (for launcher-driven runs)
+    adds its faults to these. Empty: none."""
+    ledger: Optional[str] = None
+    """File shared by every attempt of the job: each fault strikes once per job, the first time any attempt reaches
+    it, and is recorded there (a JSON line with its wall-clock time) just before. ``None``: faults strike in the
+    first attempt only (unless ``:always``)."""
 
 
 @dataclass
@@ -366,6 +380,8 @@ class ConfigContainer:
     """Re-run state machine."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Liveness ping, device health checks, hang attribution."""
+    fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    """Faults injected for tests and drills."""
 
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check every field and every combination; raise ``ValueError`` naming the field and the fix.

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megatron.bridge.training import fault_injection
 from megatron.bridge.training.checkpoint.validation import validate_checkpoint
 from megatron.bridge.training.config import (
     INPROCESS_STORE_PORT_OFFSET,
@@ -51,6 +52,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     _validate_rerun(cfg)
     _validate_inprocess_restart(cfg, world_size)
     _validate_health(cfg)
+    _validate_fault_injection(cfg, world_size)
 
 
 def data_parallel_size(model: ModelConfig, world_size: int) -> int:
@@ -488,3 +490,21 @@ def _validate_health(cfg: ConfigContainer) -> None:
             "inprocess_restart.soft_timeout) and restarts in place; the ping would turn that restart into an exit 24",
             "set health.liveness_ping_interval=0 with inprocess_restart.enabled=true",
         )
+
+
+def _validate_fault_injection(cfg: ConfigContainer, world_size: int) -> None:
+    sources = {
+        "fault_injection.faults": cfg.fault_injection.faults or "",
+        fault_injection.ENV: os.environ.get(fault_injection.ENV, ""),
+    }
+    for source, spec in sources.items():
+        for fault in fault_injection.parse(spec, source):  # a malformed item: a ValueError naming it and the form
+            if fault.rank >= world_size:
+                _fail(
+                    source,
+                    f"{fault} names rank {fault.rank}, not a rank of a world of {world_size}",
+                    f"use a rank in 0..{world_size - 1}",
+                )
+    ledger = cfg.fault_injection.ledger
+    if ledger and not os.path.isdir(os.path.dirname(os.path.abspath(ledger))):
+        _fail("fault_injection.ledger", f"the directory of {ledger} does not exist", "create it or use another path")

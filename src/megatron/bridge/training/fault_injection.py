@@ -1,25 +1,52 @@
-"""Real faults on demand, for drills and tests: a rank hangs, dies, raises, slows down or computes a bad loss.
+"""Failures on demand, so that every recovery path can be tested with the real thing: one registry of faults.
 
-``MBRIDGE_FAULTS="<kind>@<iteration>:<rank>[:x<factor>][:always],..."`` with kind ``hang`` (the process stops itself
-with SIGSTOP, as a hung GPU or a deadlock would look from outside), ``kill`` (SIGKILL), ``exception`` (an uncaught
-``RuntimeError``), ``sigterm`` (the rank receives SIGTERM, as from a scheduler that preempts the job),
-``sigterm-tree`` (the rank and every process it started receive SIGTERM, as Slurm signals a job step), ``stall``
-(the rank stops making progress but stays alive, waiting with the GIL released, as a rank blocked on a lock, a
-store or a peer would: its threads and its heartbeats go on), ``slow``
-(from that iteration on, every forward step of the rank takes ``factor`` times as long, default 2: the rank sleeps
-for the extra time inside the step; CPU-side timing sees it, CUDA kernel timing does not), ``nan`` (the rank's
-forward output, hence its loss and gradients, becomes NaN) or ``spike`` (its forward output is multiplied by
-``factor``, default 100).
+A drill or a test names the faults it wants, and the rank they are aimed at fails for real at that moment: it
+stops (SIGSTOP), dies (SIGKILL), raises, is signalled, stalls, slows down, computes a NaN or a spike, is killed in
+the middle of a checkpoint commit, or saves a local checkpoint with NaN weights. Nothing else in the package
+injects faults: the checkpoint commit protocol and the local tier ask this registry whether a fault is due, and
+``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become one of its faults.
 
-A fault strikes when the given rank *starts* that iteration, in the first attempt of a job only
-(``TORCHELASTIC_RESTART_COUNT`` unset or 0, and the first in-process restart iteration) unless ``always`` is given,
-so that a restarted job can recover. With ``MBRIDGE_FAULTS_LEDGER=<file>`` a fault strikes instead the first time
-any attempt reaches it: the rank appends a JSON line (kind, iteration, rank, wall-clock time, pid, restart count) to
-that file just before striking, and later attempts skip what the file lists. A schedule can then span restarts (a
-drill kills a rank, and after the restart hangs another), and the file says when each fault struck.
-``nan`` and ``spike`` corrupt only the first forward pass of the iteration (a re-run of the step computes the true
-value: a transient fault); with ``always`` every pass of that iteration in every attempt is corrupted (a
-reproducible fault).
+Spec: a comma-separated list of ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.
+``kill@8:1,nan@12:0,slow@1:1:x3,kill@6:1:save.during_write,nan@8:0:local_save,hang@4s:1``. Set it in
+``fault_injection.faults`` (config) and/or in ``$MBRIDGE_FAULTS`` (for launcher-driven runs); when both are set,
+both apply (the environment's faults are added to the config's).
+
+- ``when``: the iteration (1-based, the one the rank is about to run or save), or ``<seconds>s``: that many
+  seconds after the rank starts training, wherever it is then (phase ``timer``).
+- ``rank``: the global rank that fails.
+- ``phase``: where the fault strikes (for each kind below, the first phase listed is its default):
+
+  - ``hang`` (SIGSTOP: a hung GPU, a deadlock), ``kill`` (SIGKILL: a crashed process), ``sigterm`` (SIGTERM: a
+    scheduler preempting the job), ``sigterm-tree`` (SIGTERM to the rank and every process it started, as Slurm
+    signals a job step): ``step``, ``save.<point>``, ``timer``;
+  - ``exception`` (an uncaught ``RuntimeError``), ``stall`` (the rank stays alive but makes no progress, waiting
+    with the GIL released, as a rank blocked on a lock, a store, a peer or storage that stops answering; its
+    threads and heartbeats go on): ``step``, ``save.<point>``;
+  - ``slow`` (the rank's forward steps take ``x<factor>`` times as long, default 2, from that iteration on: it
+    sleeps for the extra time inside the step, which CPU-side timing sees and CUDA kernel timing does not),
+    ``spike`` (its forward output is multiplied by ``x<factor>``, default 100): ``forward``;
+  - ``nan``: ``forward`` (its forward output becomes NaN, hence its loss and gradients), ``local_save`` (its
+    local checkpoint of that iteration is saved with NaN weights: a poisoned local checkpoint).
+
+  ``step``: when the rank starts the iteration. ``forward``: in the rank's forward passes of the iteration.
+  ``save.<point>``: at that point of the global checkpoint's commit protocol in the save of that iteration (points
+  in :data:`SAVE_POINTS`: a crash, hang or stall during a save; only rank 0 commits, so every point after
+  ``during_write`` needs rank 0). ``local_save``: before the local checkpoint's content hashes are computed, so it
+  verifies (a state that is bad although intact, as a replica assembled from the wrong pieces would be).
+  ``timer``: goes with ``<seconds>s``, from a timer thread (``ft.simulate_fault`` is such a fault).
+- ``always``: strike in every attempt. Without it a fault strikes in the first attempt of a job only
+  (``TORCHELASTIC_RESTART_COUNT`` unset or 0, and the first in-process restart iteration), so that a restarted job
+  can recover; with a ledger (``fault_injection.ledger``) it strikes instead the first time any attempt reaches it.
+  ``nan`` and ``spike`` in ``forward`` corrupt only the first pass of the iteration (a re-run of the step computes
+  the true value: a transient fault); with ``always`` every pass of that iteration in every attempt is corrupted (a
+  reproducible fault).
+
+The ledger is a file of JSON lines shared by every attempt: a rank appends the fault (its spec, kind, iteration,
+rank, phase, wall-clock time, pid, restart count) just before striking, and later attempts skip what it lists, so a
+schedule can span restarts and the file says when each fault struck.
+
+A malformed item or an unknown kind is a ``ValueError`` naming the item, the bad part and the expected form; the
+config's ``validate()`` checks both sources before anything starts.
 """
 
 import functools
@@ -27,68 +54,176 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from megatron.bridge.training.config import FaultInjectionConfig
 
 logger = logging.getLogger(__name__)
 
 ENV = "MBRIDGE_FAULTS"
-LEDGER_ENV = "MBRIDGE_FAULTS_LEDGER"
-KINDS = ("hang", "kill", "exception", "sigterm", "sigterm-tree", "stall", "slow", "nan", "spike")
-_SCALED = ("slow", "spike")
-"""Kinds that take ``x<factor>``."""
-_VALUE_KINDS = ("nan", "spike")
-"""Kinds that corrupt the forward output instead of acting on the process."""
+"""The environment variable of launcher-driven runs; its faults are added to ``fault_injection.faults``."""
+GRAMMAR = "<kind>@<when>:<rank>[:<phase>][:x<factor>][:always] (when: an iteration >= 1 or <seconds>s)"
+
+STEP, FORWARD, LOCAL_SAVE, TIMER = "step", "forward", "local_save", "timer"
+SAVE = "save."
+"""Prefix of the phases at a point of the checkpoint commit protocol: ``save.<point>``."""
+SAVE_POINTS = (
+    "during_write",  # this rank wrote its files, nothing else happened (every rank passes here)
+    "after_manifest",  # all files and the manifest are in .tmp_iter_N (rank 0 from here on)
+    "after_replace_old",  # an existing iter_N was moved to .replaced_iter_N (a re-save of the same iteration)
+    "after_rename",  # iter_N is in place, the tracker still names the previous checkpoint
+    "after_tracker_tmp",  # the new tracker is written to its temporary file but not renamed
+    "after_tracker",  # committed; .replaced_iter_N (if any) not yet deleted
+)
+"""The points of ``checkpoint/layout.py``'s commit protocol a ``save.<point>`` fault can strike at."""
+
+_SIGNALS = (STEP, SAVE, TIMER)
+PHASES = {
+    "hang": _SIGNALS,
+    "kill": _SIGNALS,
+    "sigterm": _SIGNALS,
+    "sigterm-tree": _SIGNALS,
+    "exception": (STEP, SAVE),
+    "stall": (STEP, SAVE),
+    "slow": (FORWARD,),
+    "spike": (FORWARD,),
+    "nan": (FORWARD, LOCAL_SAVE),
+}
+"""Every kind and the phases it can strike in; the first is its default."""
+KINDS = tuple(PHASES)
+_FACTORS = {"slow": 2.0, "spike": 100.0}
+"""Kinds that take ``x<factor>``, and their default factor."""
+
+
+def _number(value: float) -> str:
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One scheduled fault."""
+    """One scheduled fault; constructing one checks it (``ValueError`` naming the bad part)."""
 
     kind: str
-    iteration: int
+    iteration: Optional[int]
+    """The iteration it strikes at; ``None`` for a timed fault (``seconds``)."""
     rank: int
+    phase: str = ""
+    """Where it strikes (see the module docstring); empty means the kind's default."""
     always: bool = False
+    """Strike in every attempt, not only the first (or the first to reach it, with a ledger)."""
     factor: Optional[float] = None
     """``slow``: how many times longer the forward steps take (default 2); ``spike``: the output multiplier
     (default 100)."""
+    seconds: Optional[float] = None
+    """A timed fault: seconds after the rank starts training (instead of an iteration; phase ``timer``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PHASES:
+            raise ValueError(f"unknown kind {self.kind!r} (kinds: {', '.join(KINDS)})")
+        timed = self.seconds is not None
+        if timed == (self.iteration is not None):
+            raise ValueError("give either an iteration or a time in seconds")
+        if not self.phase:
+            object.__setattr__(self, "phase", TIMER if timed else PHASES[self.kind][0])
+        family = SAVE if self.phase.startswith(SAVE) else self.phase
+        if family not in PHASES[self.kind]:
+            allowed = ", ".join(p + "<point>" if p == SAVE else p for p in PHASES[self.kind])
+            raise ValueError(f"{self.kind} cannot strike in phase {self.phase!r} (its phases: {allowed})")
+        if family == SAVE and self.phase[len(SAVE) :] not in SAVE_POINTS:
+            raise ValueError(f"unknown checkpoint point {self.phase!r} (points: save.{', save.'.join(SAVE_POINTS)})")
+        if family == SAVE and self.phase != SAVE + SAVE_POINTS[0] and self.rank != 0:
+            raise ValueError(f"only rank 0 reaches {self.phase!r} (it commits the checkpoint); use rank 0")
+        if (family == TIMER) != timed:
+            raise ValueError("a <seconds>s time goes with phase timer, an iteration with the other phases")
+        if timed and not 0 <= self.seconds < float("inf"):
+            raise ValueError(f"time {self.seconds}s is not a number of seconds >= 0")
+        if not timed and self.iteration < 1:
+            raise ValueError(f"iteration {self.iteration} is not >= 1")
+        if self.rank < 0:
+            raise ValueError(f"rank {self.rank} is not >= 0")
+        if self.factor is not None and self.kind not in _FACTORS:
+            raise ValueError(f"x<factor> is only for {' and '.join(_FACTORS)}")
+        if self.factor is not None and not 1 < self.factor < 1e3:
+            raise ValueError(f"factor {self.factor:g} is not in (1, 1000)")
+
+    @property
+    def scale(self) -> float:
+        """``factor``, or the kind's default one."""
+        return self.factor if self.factor is not None else _FACTORS.get(self.kind, 1.0)
+
+    def __str__(self) -> str:
+        """The spec of this fault (``parse(str(fault)) == [fault]``)."""
+        when = f"{_number(self.seconds)}s" if self.seconds is not None else str(self.iteration)
+        options = [self.phase] if self.phase != (TIMER if self.seconds is not None else PHASES[self.kind][0]) else []
+        options += [f"x{_number(self.factor)}"] if self.factor is not None else []
+        options += ["always"] if self.always else []
+        return ":".join([f"{self.kind}@{when}", str(self.rank), *options])
 
 
-def parse(spec: str) -> list[Fault]:
-    """Parse a ``MBRIDGE_FAULTS`` value.
+def _parse_item(item: str) -> Fault:
+    kind, at, rest = item.partition("@")
+    if not at:
+        raise ValueError("no '@' after the kind")
+    if kind not in PHASES:
+        raise ValueError(f"unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
+    when, *parts = rest.split(":")
+    if not parts:
+        raise ValueError("no :<rank> after the iteration")
+    iteration = seconds = None
+    try:
+        if when.endswith("s"):
+            seconds = float(when[:-1])
+        else:
+            iteration = int(when)
+    except ValueError:
+        raise ValueError(f"{when!r} is neither an iteration nor <seconds>s") from None
+    try:
+        rank = int(parts[0])
+    except ValueError:
+        raise ValueError(f"rank {parts[0]!r} is not a whole number") from None
+    phase, factor, always = "", None, False
+    for option in parts[1:]:
+        if option == "always" and not always:
+            always = True
+        elif option.startswith("x") and factor is None:
+            try:
+                factor = float(option[1:])
+            except ValueError:
+                raise ValueError(f"factor {option!r} is not x<number>") from None
+        elif (option in (STEP, FORWARD, LOCAL_SAVE, TIMER) or option.startswith(SAVE)) and not phase:
+            phase = option
+        else:
+            raise ValueError(
+                f"option {option!r} is unknown or given twice (options: a phase {STEP}, {FORWARD}, {SAVE}<point>, "
+                f"{LOCAL_SAVE}, {TIMER}; x<factor>; always)"
+            )
+    return Fault(kind, iteration, rank, phase, always, factor, seconds)
+
+
+def parse(spec: str, source: str = ENV) -> list[Fault]:
+    """Parse a fault spec (see the module docstring); ``source`` names where it came from in errors.
 
     Raises:
-        ValueError: an item is malformed or names an unknown kind.
+        ValueError: ``"<source>: bad item '<item>': <what is wrong>. Fix: ..."``.
     """
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         try:
-            kind, rest = item.split("@")
-            parts = rest.split(":")
-            iteration, rank = int(parts[0]), int(parts[1])
-            options = parts[2:]
-            always = "always" in options
-            factors = [float(o[1:]) for o in options if o.startswith("x") and kind in _SCALED]
-            if (
-                kind not in KINDS
-                or len(options) != always + len(factors)
-                or len(factors) > 1
-                or not all(1 < f < 1e3 for f in factors)
-            ):
-                raise ValueError
-        except (ValueError, IndexError):
+            faults.append(_parse_item(item))
+        except ValueError as err:
             raise ValueError(
-                f"{ENV}: bad item {item!r}; expected <kind>@<iteration>:<rank>[:x<factor>][:always] with kind in "
-                f"{KINDS} (x<factor> in (1, 1000) only for {_SCALED})"
+                f"{source}: bad item {item!r}: {err}. Fix: write each item as {GRAMMAR}, kinds {', '.join(KINDS)}"
             ) from None
-        faults.append(Fault(kind, iteration, rank, always, factors[0] if factors else None))
     return faults
 
 
 def struck_faults(ledger: str) -> list[dict[str, Any]]:
-    """The records of a ``MBRIDGE_FAULTS_LEDGER`` file, oldest first (none if it does not exist yet)."""
+    """The records of a ledger file, oldest first (none if it does not exist yet)."""
     try:
         with open(ledger) as f:
             lines = f.read().splitlines()
@@ -103,25 +238,91 @@ def struck_faults(ledger: str) -> list[dict[str, Any]]:
     return records
 
 
-def _record_strike(fault: Fault) -> None:
-    """Append ``fault`` to the ledger (when one is set), durably, before it strikes."""
-    ledger = os.environ.get(LEDGER_ENV)
-    if not ledger:
-        return
-    record = {
-        "kind": fault.kind,
-        "iteration": fault.iteration,
-        "rank": fault.rank,
-        "time": time.time(),
-        "pid": os.getpid(),
-        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-    }
-    fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class FaultRegistry:
+    """Every fault of the job, and which of them are still due in this process.
+
+    Args:
+        faults: the job's faults (all ranks).
+        ledger: the ledger file (once per job), or ``None`` (first attempt only).
+        inprocess_iteration: the in-process restart iteration of this attempt (0: the first).
+    """
+
+    def __init__(self, faults: Iterable[Fault], ledger: Optional[str] = None, inprocess_iteration: int = 0) -> None:
+        self.faults = list(faults)
+        self.ledger = ledger
+        if ledger:
+            done = {r.get("fault") for r in struck_faults(ledger)}
+            self._due = [f for f in self.faults if f.always or str(f) not in done]
+        else:
+            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
+            self._due = [f for f in self.faults if f.always or first]
+
+    def pending(self, rank: int, phases: Iterable[str]) -> list[Fault]:
+        """The faults of ``rank`` in ``phases`` still due in this attempt."""
+        phases = tuple(phases)
+        return [f for f in self._due if f.rank == rank and f.phase in phases]
+
+    def take(self, phase: str, rank: int, iteration: int) -> Optional[Fault]:
+        """The fault due at ``phase`` of ``iteration`` on ``rank``, recorded as struck; ``None`` if there is none."""
+        fault = next((f for f in self.pending(rank, [phase]) if f.iteration == iteration), None)
+        if fault is not None:
+            self.record(fault)
+        return fault
+
+    def record(self, fault: Fault) -> None:
+        """``fault`` strikes now: append it to the ledger (when one is set), durably; once per attempt."""
+        if not fault.always and fault in self._due:
+            self._due.remove(fault)
+        if not self.ledger:
+            return
+        record = {
+            "fault": str(fault),
+            "kind": fault.kind,
+            "iteration": fault.iteration,
+            "rank": fault.rank,
+            "phase": fault.phase,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        }
+        fd = os.open(self.ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+_active: Optional[FaultRegistry] = None
+
+
+def install(cfg: FaultInjectionConfig, inprocess_iteration: int = 0, extra: Iterable[Fault] = ()) -> FaultRegistry:
+    """Make the faults of ``cfg``, ``$MBRIDGE_FAULTS`` and ``extra`` the ones of this process (at each start)."""
+    global _active
+    faults = [*parse(cfg.faults or "", "fault_injection.faults"), *parse(os.environ.get(ENV, "")), *extra]
+    _active = FaultRegistry(faults, cfg.ledger, inprocess_iteration)
+    return _active
+
+
+def registry() -> FaultRegistry:
+    """The installed registry; in a process that installed none, the faults of ``$MBRIDGE_FAULTS`` alone."""
+    global _active
+    if _active is None:
+        _active = FaultRegistry(parse(os.environ.get(ENV, "")))
+    return _active
+
+
+def at_save_point(point: str, rank: int, iteration: int) -> None:
+    """Strike if a fault is due at ``point`` of the commit protocol (see :data:`SAVE_POINTS`) in this save."""
+    fault = registry().take(SAVE + point, rank, iteration)
+    if fault is not None:
+        how = {"kill": "SIGKILL", "hang": "SIGSTOP", "stall": "a stalled write"}.get(fault.kind, fault.kind)
+        strike(fault.kind, f"checkpoint point {point!r} on rank {rank}, iteration {iteration}", label=how)
+
+
+def poisons_local_save(rank: int, iteration: int) -> bool:
+    """Whether the local checkpoint of ``iteration`` on ``rank`` is to be saved with NaN weights (and is, now)."""
+    return registry().take(LOCAL_SAVE, rank, iteration) is not None
 
 
 def descendants(pid: int) -> list[int]:
@@ -144,9 +345,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def strike(kind: str, where: str) -> None:
-    """Make this process fail the way ``kind`` says."""
-    logger.error("fault injection: %s at %s (pid %d)", kind, where, os.getpid())
+def strike(kind: str, where: str, label: Optional[str] = None) -> None:
+    """Make this process fail the way ``kind`` says (``label``: how the log line names it; default ``kind``)."""
+    logger.error("fault injection: %s at %s (pid %d)", label or kind, where, os.getpid())
     for handler in logging.getLogger().handlers:
         handler.flush()
     if kind == "hang":
@@ -171,20 +372,23 @@ def stall_forever() -> None:
 
 
 class StepFaults:
-    """The faults scheduled for this rank, checked at the start of every iteration."""
+    """The faults of one rank in the training loop: at iteration start, in forward passes, and on a timer.
 
-    def __init__(self, rank: int, inprocess_iteration: int = 0) -> None:
-        ledger = os.environ.get(LEDGER_ENV)
-        if ledger:
-            done = {(r["kind"], r["iteration"], r["rank"]) for r in struck_faults(ledger)}
-            due = lambda f: (f.kind, f.iteration, f.rank) not in done  # noqa: E731
-        else:
-            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
-            due = lambda f: first_attempt  # noqa: E731
-        mine = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and (f.always or due(f))]
-        self._at = {f.iteration: f for f in mine if f.kind not in ("slow", *_VALUE_KINDS)}
-        self._values = {f.iteration: f for f in mine if f.kind in _VALUE_KINDS}
+    Timed faults are armed when the rank starts its first iteration.
+
+    Args:
+        rank: this process's global rank.
+        faults: the registry to take them from (default: :func:`registry`).
+    """
+
+    def __init__(self, rank: int, faults: Optional[FaultRegistry] = None) -> None:
+        self._registry = faults if faults is not None else registry()
+        self.rank = rank
+        mine = self._registry.pending(rank, (STEP, FORWARD, TIMER))
+        self._at = {f.iteration: f for f in mine if f.phase == STEP}
+        self._values = {f.iteration: f for f in mine if f.phase == FORWARD and f.kind != "slow"}
         self._slow: Optional[Fault] = next((f for f in mine if f.kind == "slow"), None)
+        self._timed = [f for f in mine if f.phase == TIMER]
         self._slow_now = False
         self._iteration = 0
         self._value_struck: set[int] = set()
@@ -192,21 +396,33 @@ class StepFaults:
     def before_step(self, iteration: int) -> None:
         """Strike if a fault is scheduled for ``iteration`` (the iteration about to run, 1-based)."""
         self._iteration = iteration
+        while self._timed:
+            self._arm(self._timed.pop())
         if self._slow is not None and iteration >= self._slow.iteration and not self._slow_now:
-            factor = self._slow.factor or 2.0
-            _record_strike(self._slow)
-            logger.error("fault injection: forward steps %.1fx slower from iteration %d", factor, iteration)
+            self._registry.record(self._slow)
+            logger.error("fault injection: forward steps %.1fx slower from iteration %d", self._slow.scale, iteration)
             self._slow_now = True
         fault = self._at.get(iteration)
         if fault is not None:
-            _record_strike(fault)
+            self._registry.record(fault)
             strike(fault.kind, f"iteration {iteration}")
+
+    def _arm(self, fault: Fault) -> None:
+        """Start the timer of a timed fault."""
+        logger.warning("fault injection: %s armed on rank %d, %.1f s from now", fault, self.rank, fault.seconds)
+
+        def wait_and_strike() -> None:
+            time.sleep(fault.seconds)
+            self._registry.record(fault)
+            strike(fault.kind, f"{_number(fault.seconds)} s into training on rank {self.rank}")
+
+        threading.Thread(target=wait_and_strike, name="fault-injection-timer", daemon=True).start()
 
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
         """``forward_step`` with the scheduled ``slow``, ``nan`` and ``spike`` faults (unchanged without any)."""
         if self._slow is None and not self._values:
             return forward_step
-        extra = (self._slow.factor or 2.0) - 1.0 if self._slow is not None else 0.0
+        extra = self._slow.scale - 1.0 if self._slow is not None else 0.0
 
         @functools.wraps(forward_step)
         def faulty_forward_step(*args: Any, **kwargs: Any) -> Any:
@@ -224,9 +440,9 @@ class StepFaults:
         if fault is None or (not fault.always and self._iteration in self._value_struck):
             return output
         if self._iteration not in self._value_struck:
-            _record_strike(fault)
+            self._registry.record(fault)
         self._value_struck.add(self._iteration)
-        value = float("nan") if fault.kind == "nan" else (fault.factor or 100.0)
+        value = float("nan") if fault.kind == "nan" else fault.scale
         logger.error(
             "fault injection: %s forward output (x%s) at iteration %d%s",
             fault.kind,

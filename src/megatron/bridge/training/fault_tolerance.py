@@ -23,13 +23,11 @@ import json
 import logging
 import os
 import random
-import signal
-import threading
-import time
 from typing import Any, Optional
 
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.fault_injection import Fault
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +81,9 @@ class FaultTolerance:
         self._log_timeouts("loaded from " + STATE_FILE if state else "from the launcher")
 
     def on_setup_end(self) -> None:
-        """Close the ``setup`` section (the checkpoint is loaded, training starts) and arm a simulated fault."""
-        if not self.enabled:
-            return
-        if self._use_sections:
+        """Close the ``setup`` section (the checkpoint is loaded, training starts)."""
+        if self.enabled and self._use_sections:
             self._send("end_section", "setup")
-        if self.cfg.ft.simulate_fault:
-            self._arm_simulated_fault()
 
     def on_step_start(self) -> None:
         """Open the ``step`` section."""
@@ -247,28 +241,26 @@ class FaultTolerance:
 
     # ----------------------------------------------------------------- simulated faults
 
-    def _arm_simulated_fault(self) -> None:
-        """Start a timer that hangs or kills the chosen rank ``simulated_fault_base_delay`` seconds from now.
+    def simulated_faults(self) -> list[Fault]:
+        """``ft.simulate_fault*`` as a fault of the fault-injection registry (none when it is off).
 
-        Only in the first attempt of a job, so that the restarted workers can finish.
+        ``rank_hung`` is ``hang`` (SIGSTOP), ``rank_killed`` is ``kill`` (SIGKILL), ``random`` one of the two; with
+        ``simulated_fault_rank=None`` the rank is drawn too, the same on every rank (from ``rng.seed``). It strikes
+        ``simulated_fault_base_delay`` seconds after the rank starts training, in the first attempt of a job only.
         """
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            return
         ft = self.cfg.ft
+        if not (self.enabled and ft.simulate_fault):
+            return []
         chooser = random.Random(self.cfg.rng.seed)  # the same choice on every rank
         rank = ft.simulated_fault_rank if ft.simulated_fault_rank is not None else chooser.randrange(self.world_size)
         kind = ft.simulated_fault_type
         if kind == "random":
             kind = chooser.choice(["rank_hung", "rank_killed"])
-        if self.rank != rank:
-            return
-        delay = float(ft.simulated_fault_base_delay)
-        logger.warning("[FaultTolerance] simulated fault %s armed on rank %d in %.1f s", kind, rank, delay)
-        sig = signal.SIGSTOP if kind == "rank_hung" else signal.SIGKILL
+        fault = Fault(_SIMULATED[kind], None, rank, seconds=float(ft.simulated_fault_base_delay))
+        if self.rank == rank:
+            logger.warning("[FaultTolerance] simulated fault %s on rank %d: injected as %s", kind, rank, fault)
+        return [fault]
 
-        def strike() -> None:
-            time.sleep(delay)
-            logger.error("[FaultTolerance] simulating %s on rank %d now", kind, rank)
-            os.kill(os.getpid(), sig)
 
-        threading.Thread(target=strike, name="ft-simulated-fault", daemon=True).start()
+_SIMULATED = {"rank_hung": "hang", "rank_killed": "kill"}
+"""The fault-injection kind of each ``ft.simulated_fault_type``."""

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron.bridge.training import job_info
+from megatron.bridge.training import fault_injection, job_info
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.device_health import check_device_health
@@ -173,7 +173,10 @@ def _pretrain(
                 else None
             ),
         )
-        faults = StepFaults(dist.get_rank(), inprocess_iteration=restart.iteration if restart is not None else 0)
+        registry = fault_injection.install(
+            cfg.fault_injection, restart.iteration if restart is not None else 0, extra=ft.simulated_faults()
+        )
+        faults = StepFaults(dist.get_rank(), registry)
         ctx = TrainContext(
             cfg=cfg,
             model=model,

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from megatron.bridge.training import fault_injection
 from megatron.bridge.training.checkpoint import layout, manifest
 
 
@@ -61,23 +62,24 @@ _CHILD = textwrap.dedent(
 
 
 def _commit_in_child(root: str, iteration: int, payload: bytes, crash_at: str | None) -> int:
+    """Save and commit ``iteration`` in a child process, with ``crash_at`` its fault spec (``$MBRIDGE_FAULTS``)."""
     env = dict(os.environ)
-    env.pop("MBRIDGE_CKPT_CRASH_AT", None)
+    env.pop(fault_injection.ENV, None)
     if crash_at:
-        env["MBRIDGE_CKPT_CRASH_AT"] = crash_at
+        env[fault_injection.ENV] = crash_at
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     code = _CHILD.format(path=sys.path + [repo])
     proc = subprocess.run([sys.executable, "-c", code, root, str(iteration), payload.decode()], env=env)
     return proc.returncode
 
 
-@pytest.mark.parametrize("point", [p for p in layout.CRASH_POINTS if p != "during_write"])
+@pytest.mark.parametrize("point", [p for p in fault_injection.SAVE_POINTS if p != "during_write"])
 @pytest.mark.parametrize("resave", [False, True], ids=["new-iteration", "resave-same-iteration"])
 def test_crash_at_each_commit_step_never_tears(tmp_path, point, resave):
     root = str(tmp_path)
     assert _commit_in_child(root, 10, b"old-ten", None) == 0
     target = 10 if resave else 20
-    rc = _commit_in_child(root, target, b"new-data", point)
+    rc = _commit_in_child(root, target, b"new-data", f"kill@{target}:0:save.{point}")
     if point == "after_replace_old" and not resave:
         assert rc == 0  # that step only exists when an older copy is replaced
     else:
@@ -93,6 +95,13 @@ def test_crash_at_each_commit_step_never_tears(tmp_path, point, resave):
         assert tracked == target
         assert payload == b"new-data"
     assert 10 in committed
+
+
+def test_a_save_fault_strikes_only_in_the_save_of_its_iteration(tmp_path):
+    root = str(tmp_path)
+    assert _commit_in_child(root, 10, b"old-ten", "kill@20:0:save.after_rename") == 0
+    assert _commit_in_child(root, 20, b"new-data", "kill@20:0:save.after_rename") == -9
+    assert _visible(root)[0] == 10
 
 
 def test_crash_before_commit_leaves_previous(tmp_path):

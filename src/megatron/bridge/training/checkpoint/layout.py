@@ -22,20 +22,18 @@ A crash between any two steps leaves either the old state or the new one for :fu
 save directory when a run starts (before it loads or saves anything): it deletes ``.tmp_iter_*`` and
 ``.deleting_iter_*``, and restores ``.replaced_iter_N`` when ``iter_N`` is missing.
 
-For fault drills, ``MBRIDGE_CKPT_CRASH_AT=<point>[:<rank>[:<iteration>[:hang|slow]]]`` SIGKILLs the process (or,
-with ``hang``, stops it with SIGSTOP; with ``slow``, blocks the saving thread for an hour) at a named point of the
-protocol (see :data:`CRASH_POINTS`), on one rank and at one iteration's save when given, in the first attempt of a
-job only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that an in-job restart can recover.
+For fault drills, :func:`crash_point` marks each step: a ``save.<point>`` fault of the fault-injection registry
+(``training/fault_injection.py``, e.g. ``kill@6:0:save.after_rename``) kills, stops or stalls the process there.
 """
 
 import logging
 import os
 import re
 import shutil
-import signal
 import threading
-import time
 from typing import Optional
+
+from megatron.bridge.training import fault_injection
 
 logger = logging.getLogger(__name__)
 
@@ -44,35 +42,13 @@ _ITER_RE = re.compile(r"^iter_(\d{7})$")
 _TMP_RE = re.compile(r"^\.(tmp|deleting)_iter_(\d{7})(\.[\w-]+)?$")
 _REPLACED_RE = re.compile(r"^\.replaced_iter_(\d{7})$")
 
-CRASH_POINTS = (
-    "during_write",  # some ranks wrote their files, nothing else happened
-    "after_manifest",  # all files and the manifest are in .tmp_iter_N
-    "after_replace_old",  # an existing iter_N was moved to .replaced_iter_N
-    "after_rename",  # iter_N is in place, the tracker still names the previous checkpoint
-    "after_tracker_tmp",  # the new tracker is written to its temporary file but not renamed
-    "after_tracker",  # committed; .replaced_iter_N (if any) not yet deleted
-)
-
 
 def crash_point(name: str, rank: int, iteration: int) -> None:
-    """SIGKILL this process if ``$MBRIDGE_CKPT_CRASH_AT`` names this point (rank, iteration). For fault drills."""
-    spec = os.environ.get("MBRIDGE_CKPT_CRASH_AT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    point, only_rank, only_iteration, action = (spec.split(":") + ["", "", ""])[:4]
-    if (
-        point == name
-        and (not only_rank or int(only_rank) == rank)
-        and (not only_iteration or int(only_iteration) == iteration)
-    ):
-        how = {"hang": "SIGSTOP", "slow": "a stalled write"}.get(action, "SIGKILL")
-        logger.error("fault injection: %s at checkpoint point %r on rank %d, iteration %d", how, name, rank, iteration)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        if action == "slow":  # storage that stops answering: this thread blocks, the process lives on
-            time.sleep(3600)
-            return
-        os.kill(os.getpid(), signal.SIGSTOP if action == "hang" else signal.SIGKILL)
+    """Strike here if the fault registry has a fault due at this point of the save of ``iteration`` on ``rank``.
+
+    ``name`` is one of ``fault_injection.SAVE_POINTS``. For fault drills.
+    """
+    fault_injection.at_save_point(name, rank, iteration)
 
 
 def iter_dir(root: str, iteration: int) -> str:

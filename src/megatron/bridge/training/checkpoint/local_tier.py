@@ -37,6 +37,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training import fault_injection
+
 logger = logging.getLogger(__name__)
 
 HASHES_ATTR = "mbridge_content_hashes"
@@ -251,14 +253,13 @@ def _prepare_tensors(tasd: Any, replicating: bool) -> None:
     tasd.copy_tensors_to_cpu(non_blocking=False)
 
 
-def _poison_for_drills(tasd: Any, iteration: int) -> None:
-    """``MBRIDGE_LOCAL_CKPT_POISON=<iteration>``: save that iteration's local checkpoint with NaN model weights.
+def _poison_for_drills(tasd: Any, rank: int, iteration: int) -> None:
+    """Save this local checkpoint with NaN model weights when the fault registry says so (``nan@N:R:local_save``).
 
     For drills: a local checkpoint whose bytes are intact (its hashes are computed after this) but whose state is
-    bad, as a replica assembled from the wrong pieces would be. In the first attempt of a job only.
+    bad, as a replica assembled from the wrong pieces would be.
     """
-    spec = os.environ.get("MBRIDGE_LOCAL_CKPT_POISON")
-    if not spec or int(spec) != iteration or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not fault_injection.poisons_local_save(rank, iteration):
         return
     for name, sh in _sharded_items(tasd):
         is_weight = isinstance(sh.data, torch.Tensor) and not sh.key.startswith(("optimizer", "rng_state"))
@@ -339,8 +340,8 @@ class LocalTier:
         )
         tasd.common.update(common_extra or {})
         _prepare_tensors(tasd, replicating=self.manager.repl_strategy is not None)
-        _poison_for_drills(tasd, iteration)
         rank = dist.get_rank() if dist.is_initialized() else 0
+        _poison_for_drills(tasd, rank, iteration)
         hashes = {**content_hashes(tasd), _OWNER: owner_tag(rank, iteration, self.layout)}
         setattr(tasd, HASHES_ATTR, hashes)  # of exactly what is written and sent to replicas
         request = self.manager.save(tasd, iteration, is_async=self._queue is not None)
