@@ -9,14 +9,14 @@ from tests.functional_tests.harness import assert_same_state, checkpoint_state, 
 @pytest.mark.parametrize(
     "crash_at,leftover",
     [
-        ("during_write:1:6", ".tmp_iter_0000006.*"),  # rank 1 SIGKILLed after writing its files, before the commit
-        ("after_rename:0:6", "iter_0000006"),  # rank 0 SIGKILLed after publishing iter_6, before the tracker
+        ("kill@6:1:save.during_write", ".tmp_iter_0000006.*"),  # rank 1 SIGKILLed after writing, before the commit
+        ("kill@6:0:save.after_rename", "iter_0000006"),  # rank 0 SIGKILLed after publishing iter_6, before the tracker
     ],
 )
 def test_rank_killed_during_save_resumes_from_previous(reference_tp1, tmp_path, crash_at, leftover):
     reference, reference_ckpt = reference_tp1
     ckpt = tmp_path / "ckpt"
-    crashed = torchrun(ckpt, env={"MBRIDGE_CKPT_CRASH_AT": crash_at})
+    crashed = torchrun(ckpt, env={"MBRIDGE_FAULTS": crash_at})
     assert crashed.exit_code == 128 + 9, tail(crashed)  # the SIGKILLed rank is the root cause
     assert "fault injection: SIGKILL" in crashed.output
     assert [p for p in ckpt.glob(leftover) if p.is_dir()], sorted(p.name for p in ckpt.iterdir())

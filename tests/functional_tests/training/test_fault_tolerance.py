@@ -15,7 +15,7 @@ FT = "ft.enable_ft_package=true"
         ({"MBRIDGE_FAULTS": "hang@8:1"}, "Section 'step' has been open"),
         ({"MBRIDGE_FAULTS": "kill@8:1"}, "failed (exitcode: -9) local_rank: 1"),
         ({"MBRIDGE_FAULTS": "exception@8:0"}, "RuntimeError: fault injection: exception at iteration 8"),
-        ({"MBRIDGE_CKPT_CRASH_AT": "during_write:1:6:hang"}, "Section 'checkpointing' has been open"),
+        ({"MBRIDGE_FAULTS": "hang@6:1:save.during_write"}, "Section 'checkpointing' has been open"),
     ],
     ids=["hang-in-step", "rank-killed", "python-exception", "hang-in-save"],
 )
@@ -28,7 +28,7 @@ def test_fault_detected_restarted_resumed_identical(reference_tp1, tmp_path, env
     assert detected in run.output, tail(run, 120)
     assert "will restart worker group" in run.output
     loads = re.findall(r"\[rank0\].*successfully loaded verified checkpoint \S+ at iteration (\d+)", run.output)
-    crash_in_save_of_6 = "MBRIDGE_CKPT_CRASH_AT" in env  # iteration 6 never committed: resume from 3
+    crash_in_save_of_6 = "save.during_write" in env["MBRIDGE_FAULTS"]  # iteration 6 never committed: resume from 3
     assert loads == (["3"] if crash_in_save_of_6 else ["6"]), loads
     ref_losses = reference.losses()
     assert all(run.losses()[i] == ref_losses[i] for i in range(9, 13))

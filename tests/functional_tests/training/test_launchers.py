@@ -6,7 +6,7 @@ from tests.functional_tests.harness import assert_same_state, checkpoint_state, 
 def test_in_job_restart_after_crash_during_save(reference_tp1, tmp_path):
     reference, reference_ckpt = reference_tp1
     ckpt = tmp_path / "ckpt"
-    run = ft_launcher(ckpt, max_restarts=1, env={"MBRIDGE_CKPT_CRASH_AT": "during_write:1:6"})
+    run = ft_launcher(ckpt, max_restarts=1, env={"MBRIDGE_FAULTS": "kill@6:1:save.during_write"})
     assert run.exit_code == 0, tail(run)
     assert "fault injection: SIGKILL" in run.output
     # The restarted workers resumed from the last committed checkpoint and finished like the uninterrupted run.
@@ -17,7 +17,7 @@ def test_in_job_restart_after_crash_during_save(reference_tp1, tmp_path):
 
 
 def test_restart_budget_spent_exits_non_zero(tmp_path):
-    run = ft_launcher(tmp_path / "ckpt", max_restarts=0, env={"MBRIDGE_CKPT_CRASH_AT": "during_write:1:3"})
+    run = ft_launcher(tmp_path / "ckpt", max_restarts=0, env={"MBRIDGE_FAULTS": "kill@3:1:save.during_write"})
     assert run.exit_code != 0, tail(run)
     assert "fault injection: SIGKILL" in run.output
     assert not (tmp_path / "ckpt" / "iter_0000003").exists()

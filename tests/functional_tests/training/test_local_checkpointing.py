@@ -230,7 +230,7 @@ def test_nan_right_after_a_local_load_discards_it_and_the_restart_loads_the_glob
     ckpt, local_dir = tmp_path / "ckpt", tmp_path / "local"
     tier = [*LOCAL, f"checkpoint.non_persistent_local_ckpt_dir={local_dir}"]
     # The local checkpoint of 8 is intact byte for byte (its hashes match) but its weights are NaN.
-    first = torchrun(ckpt, *tier, env={"MBRIDGE_LOCAL_CKPT_POISON": "8", "MBRIDGE_FAULTS": f"kill@{STRIKE}:1"})
+    first = torchrun(ckpt, *tier, env={"MBRIDGE_FAULTS": f"nan@8:0:local_save,nan@8:1:local_save,kill@{STRIKE}:1"})
     assert first.exit_code != 0 and "saved with NaN" in first.output, tail(first)
     second = torchrun(ckpt, *tier)
     assert second.exit_code == 23, tail(second)

@@ -84,7 +84,7 @@ def test_without_the_handler_the_signal_is_not_trapped(tmp_path):
 
 def test_save_past_the_deadline_exits_and_the_previous_checkpoint_stays(reference_tp1, tmp_path):
     ckpt = tmp_path / "ckpt"
-    env = {"MBRIDGE_FAULTS": "sigterm@5:1", "MBRIDGE_CKPT_CRASH_AT": "during_write:1:5:slow"}
+    env = {"MBRIDGE_FAULTS": "sigterm@5:1,stall@5:1:save.during_write"}
     run = torchrun(ckpt, HANDLER, "train.exit_signal_deadline=4", env=env)
     assert run.exit_code == 18, tail(run)
     assert "did not finish within train.exit_signal_deadline=4.0 s" in run.output, tail(run)

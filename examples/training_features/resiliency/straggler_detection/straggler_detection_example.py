@@ -15,7 +15,6 @@ a sleep does not change, so there it is not flagged (a GPU whose kernels really 
 """
 
 import argparse
-import os
 import sys
 
 import torch
@@ -23,7 +22,6 @@ import torch
 from megatron.bridge.models.gpt import gpt_forward_step
 from megatron.bridge.recipes.tiny_gpt import tiny_gpt_config
 from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig
-from megatron.bridge.training.fault_injection import ENV as FAULTS_ENV
 from megatron.bridge.training.pretrain import main
 
 
@@ -63,7 +61,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 if __name__ == "__main__":  # the guard matters: checkpoint writers spawn helper processes
     args, overrides = parse_args(sys.argv[1:])
     if args.slow_rank is not None:
-        os.environ[FAULTS_ENV] = f"slow@1:{args.slow_rank}:x{args.slow_factor}"
+        overrides = [f"fault_injection.faults=slow@1:{args.slow_rank}:x{args.slow_factor:g}", *overrides]
         if torch.cuda.is_available():
             print("--slow-rank sleeps on the CPU; GPU (kernel) scores will not flag it", file=sys.stderr)
     main(straggler_config, gpt_forward_step, overrides)

@@ -19,6 +19,7 @@ from typing import Optional
 
 from megatron.bridge.drill import events, report, runner, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
+from megatron.bridge.training import fault_injection
 from megatron.bridge.training.fault_injection import struck_faults
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 RESERVED = ("train.train_iters", "checkpoint.", "logger.", "ft.", "nvrx_straggler.", "rerun_state_machine.",
-            "train.exit_signal_handler", "health.", "inprocess_restart.")  # fmt: skip
+            "train.exit_signal_handler", "health.", "inprocess_restart.", "fault_injection.")  # fmt: skip
 """Override prefixes the drill sets itself: its analysis depends on them (a step log line per iteration, say)."""
 _MARKER = ".mbridge-drill"
 
@@ -118,20 +119,21 @@ def _train(
     """One training job under ft_launcher; returns (exit code, wall seconds, log text)."""
     run.mkdir(parents=True, exist_ok=True)
     ledger = run / "fault_ledger.jsonl"
+    spec = schedule.worker_faults(faults)  # the faults injected inside the ranks, each once per job (the ledger)
     cmd = [
         _ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}",
         f"--ft-rank-section-timeouts=setup:300,step:{args.step_timeout:g},checkpointing:120",
         "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=10",
         str(ENTRY), *training_overrides(args, run, args.run_dir / "tensorboard" / label), *overrides,
+        f"fault_injection.ledger={ledger}",
+        *([f"fault_injection.faults={spec}"] if spec else []),
     ]  # fmt: skip
     start = time.time()
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != fault_injection.ENV},  # the schedule is the only faults
         "PYTHONUNBUFFERED": "1",
         "GROUP_RANK": os.environ.get("GROUP_RANK", "0"),
-        "MBRIDGE_FAULTS": schedule.worker_faults(faults),
-        "MBRIDGE_FAULTS_LEDGER": str(ledger),
         "MBRIDGE_JOB_START_TIME": f"{start:.3f}",
         "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning"),
     }

@@ -10,12 +10,15 @@ A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]`
 - ``corrupt-local``: once the rank's local checkpoint of the iteration is written, the drill flips bytes in the
   middle of its file, as a failing disk would; a later restart must find it bad and fall back to the global tier.
 
-The first five are injected inside the training processes (``MBRIDGE_FAULTS``, each striking once per job thanks
-to ``MBRIDGE_FAULTS_LEDGER``); ``corrupt-local`` is done by the drill itself, from outside.
+The first five are faults of the training processes' fault-injection registry (``fault_injection.faults``, each
+striking once per job thanks to the ledger, ``fault_injection.ledger``); ``corrupt-local`` is done by the drill
+itself, from outside.
 """
 
 from dataclasses import dataclass
 from typing import Optional
+
+from megatron.bridge.training.fault_injection import Fault
 
 DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,hang@48:1,slow@60:1:x6"
 """One of each kind, for 100 iterations with global saves every 20 and local ones every 5."""
@@ -26,7 +29,7 @@ RESTARTING = ("kill", "hang", "preempt", "slow")
 SLOW_MARGIN = 15
 """Iterations a ``slow`` fault needs before the end: straggler reports come every second, and slowed steps are long."""
 _WORKER_KIND = {"kill": "kill", "hang": "hang", "preempt": "sigterm", "nan": "nan", "slow": "slow"}
-"""The ``MBRIDGE_FAULTS`` kind that injects each drill kind inside the training processes."""
+"""The fault-injection kind that injects each drill kind inside the training processes."""
 
 
 @dataclass(frozen=True)
@@ -134,13 +137,12 @@ def check(faults: list[DrillFault], plan: Plan) -> None:
 
 
 def worker_faults(faults: list[DrillFault]) -> str:
-    """The ``MBRIDGE_FAULTS`` value for the faults injected inside the training processes."""
-    items = []
-    for f in faults:
-        if f.kind in _WORKER_KIND:
-            factor = f":x{f.factor:g}" if f.kind == "slow" else ""
-            items.append(f"{_WORKER_KIND[f.kind]}@{f.iteration}:{f.rank}{factor}")
-    return ",".join(items)
+    """The ``fault_injection.faults`` spec of the faults injected inside the training processes."""
+    return ",".join(
+        str(Fault(_WORKER_KIND[f.kind], f.iteration, f.rank, factor=f.factor if f.kind == "slow" else None))
+        for f in faults
+        if f.kind in _WORKER_KIND
+    )
 
 
 def ledger_kind(fault: DrillFault) -> str:

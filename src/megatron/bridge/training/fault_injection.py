@@ -137,7 +137,7 @@ class Fault:
         if family == SAVE and self.phase[len(SAVE) :] not in SAVE_POINTS:
             raise ValueError(f"unknown checkpoint point {self.phase!r} (points: save.{', save.'.join(SAVE_POINTS)})")
         if family == SAVE and self.phase != SAVE + SAVE_POINTS[0] and self.rank != 0:
-            raise ValueError(f"only rank 0 reaches {self.phase!r} (it commits the checkpoint); use rank 0")
+            raise ValueError(f"only rank 0 reaches {self.phase!r} (it commits the checkpoint)")
         if (family == TIMER) != timed:
             raise ValueError("a <seconds>s time goes with phase timer, an iteration with the other phases")
         if timed and not 0 <= self.seconds < float("inf"):
@@ -170,7 +170,7 @@ def _parse_item(item: str) -> Fault:
     if not at:
         raise ValueError("no '@' after the kind")
     if kind not in PHASES:
-        raise ValueError(f"unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
+        raise ValueError(f"unknown kind {kind!r}")
     when, *parts = rest.split(":")
     if not parts:
         raise ValueError("no :<rank> after the iteration")
