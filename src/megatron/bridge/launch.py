@@ -14,6 +14,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from megatron.bridge.utils.fast_exit import exit_without_final_collection
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; return the exit code of the first failed worker, or 0."""
@@ -34,4 +36,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_final_collection(main())

@@ -39,6 +39,7 @@ from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, ignore_in_worker
+from megatron.bridge.utils.fast_exit import exit_without_final_collection
 
 logger = logging.getLogger(__name__)
 
@@ -308,5 +309,5 @@ def main(
         code = pretrain(cfg, forward_step_func)
     except TrainingExit as stop:
         logger.error("training stopped: %s", stop)
-        sys.exit(int(stop.exit_code))
-    sys.exit(int(code))
+        code = stop.exit_code
+    exit_without_final_collection(int(code))
