@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import yaml
 
+from megatron.bridge.utils.fs import atomic_write
 from megatron.bridge.utils.optional_imports import require
 
 run = require("nemo_run")
@@ -315,10 +316,7 @@ def _write_local_cfg(text: str) -> str:
     path = os.path.join(_nemo_run_config.get_nemorun_home(), "fault_tolerance", f"ft_launcher_cfg_{digest}.yaml")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        atomic_write(path, text)  # concurrent writers of the same content: each replaces it whole
     return path
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron.bridge.training.checkpoint import async_writer, layout, manifest
 from megatron.bridge.training.checkpoint.local_tier import LocalTier
@@ -33,6 +32,7 @@ from megatron.bridge.training.rng import (
     set_rng_state,
 )
 from megatron.bridge.training.state import TrainState
+from megatron.bridge.utils.dist import all_gather_object, barrier, broadcast_from_rank0, on_rank0, rank, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -40,50 +40,6 @@ CHECKPOINT_VERSION = 1
 
 LOCAL_LOAD_SUSPECT_STEPS = 10
 """A non-finite loss this many steps or fewer after a local-tier load is blamed on the local checkpoint."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast_from_rank0(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only and share its result; if it raised, raise on every rank (no rank left waiting)."""
-    outcome: tuple[bool, Any] = (True, None)
-    if _rank() == 0:
-        try:
-            outcome = (True, fn())
-        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-            logger.exception("checkpoint step failed on rank 0")
-            outcome = (False, f"{type(err).__name__}: {err}")
-    ok, value = _broadcast_from_rank0(outcome)
-    if not ok:
-        raise RuntimeError(f"checkpoint step failed on rank 0: {value}")
-    return value
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -114,7 +70,7 @@ def _sharded_state_dict(
         rng_row = torch.zeros(rng_bytes, dtype=torch.uint8)
     else:
         payload = serialize_rng_state({**get_rng_state(), _EXTRA_KEY: rank_extra})
-        rng_bytes = max(_all_gather(rng_blob_length(payload)))
+        rng_bytes = max(all_gather_object(rng_blob_length(payload)))
         rng_row = rng_blob_to_tensor(payload, rng_bytes)
     model_sd = _unwrap(model).sharded_state_dict()
     return {
@@ -125,9 +81,9 @@ def _sharded_state_dict(
         "opt_param_scheduler": scheduler.state_dict(),
         "train_state": state.state_dict(),
         "rng_bytes": rng_bytes,
-        "rng_world_size": _world(),
+        "rng_world_size": world_size(),
         "rng_state": ShardedTensor.from_rank_offsets(
-            "rng_state", rng_row.unsqueeze(0), (0, _rank(), _world()), replica_id=0
+            "rng_state", rng_row.unsqueeze(0), (0, rank(), world_size()), replica_id=0
         ),
     }
 
@@ -155,7 +111,7 @@ def _local_tier(cfg: CheckpointConfig) -> Optional[LocalTier]:
         cfg.async_save,
         parallel_state.get_data_parallel_group(with_context_parallel=True),
         layout=(
-            f"world size {_world()}, tensor parallel {parallel_state.get_tensor_model_parallel_world_size()}, "
+            f"world size {world_size()}, tensor parallel {parallel_state.get_tensor_model_parallel_world_size()}, "
             f"pipeline parallel {parallel_state.get_pipeline_model_parallel_world_size()}"
         ),
     )
@@ -168,10 +124,10 @@ def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
         known = manifest.take_partial_manifests(ckpt_dir)
         return known, [rel for rel in manifest.list_files(ckpt_dir) if rel not in known]
 
-    known, todo = _on_rank0(scan)
-    share = manifest.hash_share(ckpt_dir, todo, _rank(), _world())
+    known, todo = on_rank0(scan, "listing the checkpoint's files")
+    share = manifest.hash_share(ckpt_dir, todo, rank(), world_size())
     merged = dict(known)
-    for part in _all_gather(share):
+    for part in all_gather_object(share):
         merged.update(part)
     return merged
 
@@ -185,11 +141,11 @@ def verify_checkpoint(ckpt_dir: str) -> list[str]:
         except ValueError as err:
             return None, str(err)
 
-    table, error = _on_rank0(read)
+    table, error = on_rank0(read, "reading the manifest")
     if error:
         return [error]
-    problems = manifest.verify_share(ckpt_dir, table, _rank(), _world())
-    return sorted(p for part in _all_gather(problems) for p in part)
+    problems = manifest.verify_share(ckpt_dir, table, rank(), world_size())
+    return sorted(p for part in all_gather_object(problems) for p in part)
 
 
 class CheckpointManager:
@@ -216,10 +172,10 @@ class CheckpointManager:
         """This rank's ``rank_extra`` from the checkpoint :meth:`load` loaded (None if it had none)."""
         self._strategy: Any = None
         # Temporary directory names: a run id agreed once plus a counter, so no save needs a collective for it.
-        self._run_id = _broadcast_from_rank0(uuid.uuid4().hex[:8] if _rank() == 0 else None)
+        self._run_id = broadcast_from_rank0(uuid.uuid4().hex[:8] if rank() == 0 else None)
         self._saves = 0
         if cfg.save is not None:
-            _on_rank0(lambda: layout.recover(cfg.save))  # leftovers of saves a crash interrupted
+            on_rank0(lambda: layout.recover(cfg.save), "recovering the save directory")  # what a crash left
             async_writer.install_results_queue()  # start the writers' helper process now, not inside the first save
         if cfg.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -296,7 +252,7 @@ class CheckpointManager:
             what = "saved checkpoint"
         else:
             if request.async_fn is not None:  # None when this rank has nothing to write
-                request = request._replace(async_fn=async_writer.writer(request.async_fn, tmp, _rank(), iteration))
+                request = request._replace(async_fn=async_writer.writer(request.async_fn, tmp, rank(), iteration))
             request.add_finalize_fn(lambda: self._commit(iteration, attempt))
             self._queue.schedule_async_request(request)
             self._pending = iteration
@@ -315,8 +271,8 @@ class CheckpointManager:
         start = time.perf_counter()
         root = self.cfg.save
         tmp = layout.tmp_dir(root, iteration, attempt)
-        layout.crash_point("during_write", _rank(), iteration)
-        _barrier()
+        layout.crash_point("during_write", rank(), iteration)
+        barrier()
         entries = _hash_checkpoint(tmp)
 
         def publish() -> None:
@@ -324,7 +280,7 @@ class CheckpointManager:
             layout.commit(root, iteration, attempt, rank=0)
             layout.apply_retention(root, self.cfg.most_recent_k, protect={iteration})
 
-        _on_rank0(publish)
+        on_rank0(publish, "the checkpoint commit")
         self.last_saved_iteration = iteration
         self.last_finalize_seconds = time.perf_counter() - start
 
@@ -381,12 +337,12 @@ class CheckpointManager:
             TrainingExit: ``NO_VALID_CHECKPOINT`` when checkpoints exist but none verifies, or none exists and
                 ``exit_on_missing_checkpoint`` is set.
         """
-        source = _on_rank0(lambda: resolve_resume_path(self.cfg.load, self.cfg.save))
+        source = on_rank0(lambda: resolve_resume_path(self.cfg.load, self.cfg.save), "choosing the directory to load")
         root = source.directory
         self.resumed = {"tier": None, "iteration": None, "directory": None, "why": source.reason}
         if root is None:
             return None
-        candidates = _on_rank0(lambda: self._candidates(root))
+        candidates = on_rank0(lambda: self._candidates(root), "listing the checkpoints")
         if self.local is not None and self._load_local(candidates, model, optimizer, scheduler, state):
             self.resumed = {
                 "tier": "local",
@@ -505,14 +461,14 @@ class CheckpointManager:
         """The sharded state dict to load a checkpoint with this ``common`` part into (any tier)."""
         self.loaded_common_extra = {name: common[name] for name in self._common_extra if name in common}
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
-        if int(common.get("rng_world_size", _world())) != _world():
+        if int(common.get("rng_world_size", world_size())) != world_size():
             # Per-rank generator states cannot be mapped onto another world size: keep this run's fresh seeds.
             del sharded_sd["rng_state"]
             logger.warning(
                 "checkpoint was saved by %s ranks, this run has %d: random generators are re-seeded, not restored "
                 "(training continues, but not bit-identically to an uninterrupted run)",
                 common.get("rng_world_size"),
-                _world(),
+                world_size(),
             )
         return sharded_sd
 

@@ -28,6 +28,7 @@ from typing import Any, Optional
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import Fault
+from megatron.bridge.utils.fs import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -231,13 +232,7 @@ class FaultTolerance:
         directory = self.cfg.checkpoint.save
         if self.rank != 0 or not directory:
             return
-        path = os.path.join(directory, STATE_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self._client.state_dict(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_json(os.path.join(directory, STATE_FILE), self._client.state_dict(), indent=1)
 
     # ----------------------------------------------------------------- simulated faults
 

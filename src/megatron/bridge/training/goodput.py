@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+from megatron.bridge.utils.fs import atomic_write_json
+
 logger = logging.getLogger(__name__)
 
 ENTRY = "goodput"
@@ -288,10 +290,8 @@ class GoodputTracker:
         if self._rank != 0 or self._dir is None:
             return
         path = os.path.join(self._dir, name)
-        try:  # atomically; no fsync: a record that a machine crash loses is only accounting
+        try:  # not durable: a record that a machine crash loses is only accounting
             os.makedirs(self._dir, exist_ok=True)
-            with open(f"{path}.tmp", "w") as f:
-                json.dump(record, f, indent=1, sort_keys=True)
-            os.replace(f"{path}.tmp", path)
+            atomic_write_json(path, record, durable=False, indent=1, sort_keys=True)
         except OSError as err:  # accounting never stops training
             logger.warning("goodput: could not write %s: %s", path, err)

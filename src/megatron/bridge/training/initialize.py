@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, ConfigContainer
+from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def init_rerun_state(cfg: ConfigContainer) -> None:
 
     rerun_state_machine.destroy_rerun_state_machine()
     # The public initializer builds the plain upstream class; ours fixes its determinism-stats report.
-    rerun_state_machine._set_rerun_state_machine(build_rerun_state_machine(cfg.rerun_state_machine))
+    upstream.set_rerun_state_machine(build_rerun_state_machine(cfg.rerun_state_machine))
 
 
 def abort_distributed() -> None:
@@ -139,7 +140,7 @@ def abort_distributed() -> None:
 
                 port = int(os.environ.get("MASTER_PORT", "0"))
                 shutdown_gloo_connections(keep_ports={port, port + INPROCESS_STORE_PORT_OFFSET})
-            dist.distributed_c10d._abort_process_group()
+            upstream.abort_process_groups()
         destroy_distributed()
     except (AssertionError, RuntimeError, ValueError) as err:  # already aborted or destroyed underneath
         logger.debug("process group abort: %s", err)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron.bridge.training.config import HealthConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class LivenessPing:
         if not self.interval:
             return
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
-        self._store = dist.distributed_c10d._get_default_store()
+        self._store = upstream.default_store()
         logger.info("liveness ping every %d steps, timeout %.1f s", self.interval, self.timeout)
 
     def maybe_ping(self, iteration: int) -> None:

@@ -36,9 +36,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch.distributed as dist
-
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
+from megatron.bridge.utils.dist import broadcast_from_rank0
 from megatron.bridge.utils.optional_imports import straggler_package
 
 logger = logging.getLogger(__name__)
@@ -224,7 +223,7 @@ class NVRxStragglerDetectionManager:
                 )
             result.report = report
         if self.cfg.stop_if_detected:
-            result.stop_reason = _broadcast_from_rank0(result.stop_reason)
+            result.stop_reason = broadcast_from_rank0(result.stop_reason)
         return result
 
     def _build_report(self, raw: Any, iteration: int) -> StragglerReport:
@@ -265,12 +264,3 @@ class NVRxStragglerDetectionManager:
         if self._detector is not None:
             self._detector.shutdown()
             self._detector = None
-
-
-def _broadcast_from_rank0(value: Optional[str]) -> Optional[str]:
-    """Rank 0's value on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

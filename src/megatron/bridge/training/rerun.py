@@ -20,12 +20,12 @@ forward-backward passes, :meth:`~RerunController.end_step` before the optimizer 
 :meth:`~RerunController.export_state` / :meth:`~RerunController.import_state` with checkpoints.
 """
 
+import functools
 import json
 import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -35,6 +35,9 @@ from megatron.bridge.training.checkpoint import layout
 from megatron.bridge.training.config import RerunStateMachineConfig
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.rng import restore_rng_state, snapshot_rng_state
+from megatron.bridge.utils import upstream
+from megatron.bridge.utils.dist import on_rank0
+from megatron.bridge.utils.fs import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +53,10 @@ _checks: Optional[RerunStateMachineConfig] = None
 
 def build_rerun_state_machine(cfg: RerunStateMachineConfig) -> Any:
     """A megatron-core ``RerunStateMachine`` for ``cfg`` that also reports determinism stats correctly."""
-    from megatron.core import rerun_state_machine as upstream
+    from megatron.core import rerun_state_machine as rsm
     from megatron.core import tensor_parallel
 
-    class BridgeRerunStateMachine(upstream.RerunStateMachine):
+    class BridgeRerunStateMachine(upstream.base_class(f"{rsm.__name__}:RerunStateMachine")):
         """Upstream's machine; its stats report reads caller fields that do not exist, so report them here."""
 
         def _maybe_report_stats(self) -> None:
@@ -69,10 +72,10 @@ def build_rerun_state_machine(cfg: RerunStateMachineConfig) -> Any:
         # set_states keeps the dict it is given and later forks write into it: hand it a copy, or a second restore
         # of the same step would see the generators as the re-run left them.
         state_restore_func=lambda saved: tracker().set_states(dict(saved["tracker"])),
-        mode=upstream.RerunMode(cfg.rerun_mode),
-        error_injector=upstream.RerunErrorInjector(
+        mode=rsm.RerunMode(cfg.rerun_mode),
+        error_injector=rsm.RerunErrorInjector(
             error_injection_rate=cfg.error_injection_rate,
-            error_injection_type=upstream.RerunDiagnostic(cfg.error_injection_type),
+            error_injection_type=rsm.RerunDiagnostic(cfg.error_injection_type),
         ),
         result_rejected_tracker_filename=cfg.result_rejected_tracker_filename,
     )
@@ -114,7 +117,7 @@ def validate_loss(loss: torch.Tensor) -> None:
         machine.validate_result(loss, torch.isnan, NAN_MESSAGE, tolerance=0.0, fatal=True)
         machine.validate_result(loss, torch.isinf, INF_MESSAGE, tolerance=0.0, fatal=True)
     if _checks.check_for_spiky_loss:
-        is_spiky = partial(machine.is_unexpectedly_large, threshold=_checks.spiky_loss_factor, context="loss")
+        is_spiky = functools.partial(machine.is_unexpectedly_large, threshold=_checks.spiky_loss_factor, context="loss")
         machine.validate_result(loss, is_spiky, SPIKY_MESSAGE, tolerance=0.0, fatal=False)
 
 
@@ -248,7 +251,7 @@ class RerunController:
                 checkpoint="force" if save else "none",
                 stop=(code, f"the result at iteration {step} failed validation (megatron-core re-run state machine)"),
             )
-        record = _on_rank0(lambda: self._count_restart(step))
+        record = on_rank0(lambda: self._count_restart(step), "updating the re-run record")
         restarts, fallbacks = record["restarts"], record["fallbacks"]
         limit = self.cfg.max_rerun_restarts
         if restarts <= limit:
@@ -260,7 +263,7 @@ class RerunController:
             )
         failing = step - 1
         if self.cfg.on_rerun_limit == "fallback" and fallbacks == 0:
-            older = _on_rank0(lambda: self._fall_back(step, failing))
+            older = on_rank0(lambda: self._fall_back(step, failing), "the fallback to an older checkpoint")
             if older is not None:
                 return StepVerdict(
                     apply=False,
@@ -303,7 +306,7 @@ class RerunController:
         if record.get("step") != step:
             record = {"step": step, "restarts": 0, "fallbacks": 0}
         record["restarts"] += 1
-        _write_json(path, record)
+        atomic_write_json(path, record)
         return record
 
     def _fall_back(self, step: int, failing: int) -> Optional[int]:
@@ -322,7 +325,7 @@ class RerunController:
         if os.path.isdir(layout.iter_dir(root, failing)):
             os.rename(layout.iter_dir(root, failing), aside)
         record = {"step": step, "restarts": 0, "fallbacks": 1}
-        _write_json(self._attempts_path(), record)
+        atomic_write_json(self._attempts_path(), record)
         logger.error("set the checkpoint at iteration %d aside as %s; next start loads %d", failing, aside, older[0])
         return older[0]
 
@@ -359,7 +362,7 @@ class RerunController:
         """Restore :meth:`export_state` output from a checkpoint (megatron-core ignores it when disabled)."""
         if saved is None:
             return
-        from megatron.core import rerun_state_machine as upstream
+        from megatron.core import rerun_state_machine as rsm
 
         call, device, result = saved["failed_validation_call"], saved["suspicious_device"], saved["initial_result"]
         rate, kind, injected = saved["injector"]
@@ -373,11 +376,11 @@ class RerunController:
             "continue_requested": flags[3],
             "error_injector_checkpoint": {
                 "error_injection_rate": rate,
-                "error_injection_type": upstream.RerunDiagnostic(kind),
-                "injected_error_type": None if injected is None else upstream.RerunDiagnostic(injected),
+                "error_injection_type": rsm.RerunDiagnostic(kind),
+                "injected_error_type": None if injected is None else rsm.RerunDiagnostic(injected),
             },
             "failed_validation_call": (
-                None if call is None else upstream.Call(upstream.Caller(message=call[0], rank=call[1]), call[2])
+                None if call is None else rsm.Call(rsm.Caller(message=call[0], rank=call[1]), call[2])
             ),
             "initial_result": None if result is None else torch.tensor(result),
             "suspicious_node": saved["suspicious_node"],
@@ -388,33 +391,9 @@ class RerunController:
         }
         self.machine.load_state_dict(
             {
-                "mode": upstream.RerunMode(saved["mode"]),
-                "state": upstream.RerunState(saved["state"]),
+                "mode": rsm.RerunMode(saved["mode"]),
+                "state": rsm.RerunState(saved["state"]),
                 "current_iteration": saved["current_iteration"],
                 "sharded": sharded,
             }
         )
-
-
-def _write_json(path: str, record: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _on_rank0(fn: Any) -> Any:
-    """Run ``fn`` on rank 0 and give every rank its result; if it raises there, raise on every rank."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", fn())]
-        except Exception as err:  # a file error on rank 0 must not leave the others waiting in the broadcast
-            box = [("error", f"{type(err).__name__}: {err}")]
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise RuntimeError(f"rank 0 could not update the re-run record: {value}")
-    return value

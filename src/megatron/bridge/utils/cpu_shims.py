@@ -22,14 +22,14 @@ Example:
     >>> apply_cpu_shims()  # no-op when torch.cuda.is_available()
 
 Note:
-    Call :func:`apply_cpu_shims` before building models, optimizers or checkpoints. The patches
-    target megatron-core 0.16; a shim whose target is missing in another release is skipped with
-    a debug log message.
+    Call :func:`apply_cpu_shims` before building models, optimizers or checkpoints. Every upstream name
+    patched here is listed, with the release it was checked against, in :mod:`megatron.bridge.utils.upstream`
+    and reached through it; a shim whose target is missing in another release is skipped with a warning
+    naming it.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import types
 from collections.abc import Callable
@@ -37,9 +37,12 @@ from typing import Any
 
 import torch
 
+from megatron.bridge.utils import upstream
+
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
+_RANDOM = "megatron.core.tensor_parallel.random"
 
 # Tensor factories whose ``device=`` argument _TorchView rewrites.
 _FACTORY_NAMES = ("tensor", "zeros", "ones", "empty", "full")
@@ -110,24 +113,16 @@ class _TorchView(types.ModuleType):
         return getattr(torch, name)
 
 
-def _import(module_name: str) -> types.ModuleType | None:
-    """Import an upstream module, or return None (logged) if this release does not have it."""
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        logger.debug("cpu_shims: skipping %s (%s)", module_name, exc)
-        return None
-
-
 def _install_torch_view(module_name: str) -> None:
-    """Make ``module_name`` see a :class:`_TorchView` as its global ``torch``."""
-    module = _import(module_name)
-    if module is None or isinstance(getattr(module, "torch", None), _TorchView):
+    """Make ``module_name`` see a :class:`_TorchView` as its global ``torch`` (skipped, logged, if it has none)."""
+    key = f"{module_name}:torch"
+    module = upstream.owner(key)
+    if module is None or isinstance(module.torch, _TorchView):
         return
-    if getattr(module, "torch", None) is not torch:
-        logger.debug("cpu_shims: %s does not use a global `torch`; skipped", module_name)
+    if module.torch is not torch:
+        logger.debug("cpu_shims: %s's global `torch` is not torch; skipped", module.__name__)
         return
-    module.torch = _TorchView()
+    upstream.patch(key, _TorchView())
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,10 +138,10 @@ def _shim_global_memory_buffer() -> None:
 def _shim_rng_tracker() -> None:
     # CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed call torch.cuda.get_rng_state,
     # torch.cuda.manual_seed; fork() calls _get/_set_cuda_rng_state (torch.cuda.default_generators).
-    module = _import("megatron.core.tensor_parallel.random")
+    module = upstream.owner(f"{_RANDOM}:_get_cuda_rng_state")
     if module is None or getattr(module, "_cpu_shimmed", False):
         return
-    _install_torch_view(module.__name__)
+    _install_torch_view(_RANDOM)
 
     def _get_cuda_rng_state(
         device: int | str | torch.device | None = None, clone: bool = False, graph_safe: bool = False
@@ -158,8 +153,8 @@ def _shim_rng_tracker() -> None:
         """CPU stand-in: set the CPU default generator's state."""
         torch.set_rng_state(new_state)
 
-    module._get_cuda_rng_state = _get_cuda_rng_state
-    module._set_cuda_rng_state = _set_cuda_rng_state
+    upstream.patch(f"{_RANDOM}:_get_cuda_rng_state", _get_cuda_rng_state)
+    upstream.patch(f"{_RANDOM}:_set_cuda_rng_state", _set_cuda_rng_state)
     # fork() warns on every exit when its region drew random numbers ("CPU RNG state changed
     # within GPU RNG context"): expected here, as the tracked state *is* the CPU generator.
     logging.getLogger(module.__name__).addFilter(_drop_cpu_rng_changed_warning)
@@ -185,16 +180,11 @@ def _shim_optimizer() -> None:
 def _shim_grad_clipping() -> None:
     # clip_grads.get_grad_norm_fp32/count_zeros_fp32 create tensors on the CUDA device, and
     # clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor'.
-    clip_grads = _import("megatron.core.optimizer.clip_grads")
-    optimizer = _import("megatron.core.optimizer.optimizer")
-    if clip_grads is None:
-        return
-    _install_torch_view(clip_grads.__name__)
-    if getattr(clip_grads.clip_grad_by_total_norm_fp32, "_cpu_shim", False):
-        return
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    if optimizer is not None and hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
-        optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    _install_torch_view("megatron.core.optimizer.clip_grads")
+    for module in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        key = f"{module}:clip_grad_by_total_norm_fp32"
+        if not getattr(upstream.find(key), "_cpu_shim", False):
+            upstream.patch(key, _clip_grad_by_total_norm_fp32)
 
 
 def _clip_grad_by_total_norm_fp32(
@@ -225,7 +215,7 @@ def _clip_grad_by_total_norm_fp32(
             grads.append(to_local_if_dtensor(grad).detach())
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
-        torch._foreach_mul_(grads, clip_coeff)
+        upstream.get("torch:_foreach_mul_")(grads, clip_coeff)
 
 
 _clip_grad_by_total_norm_fp32._cpu_shim = True  # type: ignore[attr-defined]
@@ -279,19 +269,13 @@ class _NoKernelProfiler:
 
 
 def _shim_straggler_detector() -> None:
-    from megatron.bridge.utils.optional_imports import STRAGGLER_PACKAGES
-
-    for package in STRAGGLER_PACKAGES:
-        detector = _import(f"{package}.straggler")
-        if detector is None:
-            continue
-        # Detector.initialize builds a CuptiManager, whose compiled module needs libcupti (a CUDA library).
-        detector.CuptiManager = _NoKernelProfiler
-        # Detector.generate_report calls torch.cuda.synchronize().
-        _install_torch_view(detector.__name__)
-        # ReportIntervalTracker moves the report interval to torch.cuda.current_device() before all-reducing it.
-        _install_torch_view(f"{package}.interval_tracker")
-        return
+    # (upstream.py resolves these names in nvidia-resiliency-ext's 0.4 and >= 0.6 layouts.)
+    # Detector.initialize builds a CuptiManager, whose compiled module needs libcupti (a CUDA library).
+    upstream.patch("nvidia_resiliency_ext.straggler.straggler:CuptiManager", _NoKernelProfiler)
+    # Detector.generate_report calls torch.cuda.synchronize().
+    _install_torch_view("nvidia_resiliency_ext.straggler.straggler")
+    # ReportIntervalTracker moves the report interval to torch.cuda.current_device() before all-reducing it.
+    _install_torch_view("nvidia_resiliency_ext.straggler.interval_tracker")
 
 
 def _send_state_dict_on_cpu(self: Any, state_dict: Any, dst: int) -> dict[str, float]:
@@ -323,10 +307,9 @@ def _shim_local_checkpointing() -> None:
     # BaseCheckpointManager.save (async) calls torch.cuda.synchronize() before returning the request.
     _install_torch_view("nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager")
     # GroupWrapper.isend_state_dict/irecv_state_dict (replica retrieval) move every tensor through CUDA.
-    group_utils = _import("nvidia_resiliency_ext.checkpointing.local.replication.group_utils")
-    if group_utils is not None:
-        group_utils.GroupWrapper.isend_state_dict = _send_state_dict_on_cpu
-        group_utils.GroupWrapper.irecv_state_dict = _recv_state_dict_on_cpu
+    group_utils = "nvidia_resiliency_ext.checkpointing.local.replication.group_utils"
+    upstream.patch(f"{group_utils}:GroupWrapper.isend_state_dict", _send_state_dict_on_cpu)
+    upstream.patch(f"{group_utils}:GroupWrapper.irecv_state_dict", _recv_state_dict_on_cpu)
 
 
 _SHIMS: dict[str, Callable[[], None]] = {

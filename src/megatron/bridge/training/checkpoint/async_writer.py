@@ -21,8 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron.bridge.training.checkpoint import manifest
+from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
+
+_FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_RESULTS_QUEUE = f"{_FS_ASYNC}:_results_queue"
 
 REPORT_SECONDS = 120.0
 """A background writer still running after this many seconds (and every as many after) logs it with its stack."""
@@ -52,13 +56,11 @@ def install_results_queue() -> None:
     Upstream creates it lazily with a plain ``multiprocessing`` manager, which outlives a SIGKILLed rank, keeps
     its stdout open and leaks one process per rank at every in-job restart.
     """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
+    if upstream.owner(_RESULTS_QUEUE) is None or upstream.get(_RESULTS_QUEUE) is not None:
+        return  # an upstream without this queue (logged), or the queue is in place
     sync_manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
     sync_manager.start(initializer=_manager_dies_with_parent, initargs=(os.getpid(),))
-    filesystem_async._results_queue = sync_manager.Queue()
+    upstream.patch(_RESULTS_QUEUE, sync_manager.Queue())
 
 
 def writer(write_fn: Callable[..., None], ckpt_dir: str, rank: int, iteration: int) -> Callable[..., None]:
@@ -85,11 +87,9 @@ def _write_and_hash(write_fn: Any, ckpt_dir: str, rank: int, iteration: int, *ar
 
 def _in_process_bucket_writer(write_fn: Any) -> Any:
     """:func:`_write_buckets_here` bound like ``write_fn`` if that is megatron-core's multi-process bucket writer."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
     if (
         isinstance(write_fn, functools.partial)
-        and write_fn.func is FileSystemWriterAsync.write_preloaded_data_multiproc
+        and write_fn.func is upstream.find(f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data_multiproc")
         and len(write_fn.args) == 2
         and not write_fn.keywords
     ):
@@ -105,17 +105,14 @@ def _write_buckets_here(
     Same results as ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (``{bucket index: write results}``,
     or the first exception), without forking a process per bucket.
     """
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
+    write_bucket = upstream.get(f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data")
     outcome: Any = {}
     local_results: queue.SimpleQueue = queue.SimpleQueue()
     finished: queue.Queue = queue.Queue()
     extra = {"use_msc": True} if use_msc else {}
     for index, bucket in enumerate(write_buckets):
         finished.put(index)  # the bucket writer takes it back and marks it done
-        FileSystemWriterAsync.write_preloaded_data(
-            transform_list, index, bucket, local_results, finished, True, **extra
-        )
+        write_bucket(transform_list, index, bucket, local_results, finished, True, **extra)
         _, result = local_results.get()
         if isinstance(result, Exception):
             logger.error("rank %d: writing checkpoint bucket %d failed: %s", rank, index, result)

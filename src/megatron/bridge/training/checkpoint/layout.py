@@ -34,6 +34,7 @@ import threading
 from typing import Optional
 
 from megatron.bridge.training import fault_injection
+from megatron.bridge.utils import fs
 
 logger = logging.getLogger(__name__)
 
@@ -65,22 +66,6 @@ def _replaced_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f".replaced_iter_{iteration:07d}")
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: str) -> None:
-    """Flush every file and directory below ``path`` (and ``path`` itself) to disk."""
-    for root, _dirs, files in os.walk(path, topdown=False):
-        for name in files:
-            _fsync_path(os.path.join(root, name))
-        _fsync_path(root)
-
-
 def read_tracker(root: str) -> Optional[int]:
     """Iteration named by the tracker in ``root``, or ``None`` when there is no readable tracker."""
     path = os.path.join(root, TRACKER_NAME)
@@ -98,14 +83,8 @@ def read_tracker(root: str) -> Optional[int]:
 
 def write_tracker(root: str, iteration: int, rank: int = 0) -> None:
     """Atomically replace the tracker in ``root`` with ``iteration`` (write temp, fsync, rename, fsync dir)."""
-    tmp = os.path.join(root, f".{TRACKER_NAME}.tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    crash_point("after_tracker_tmp", rank, iteration)
-    os.replace(tmp, os.path.join(root, TRACKER_NAME))
-    _fsync_path(root)
+    path = os.path.join(root, TRACKER_NAME)
+    fs.atomic_write(path, f"{iteration}\n", before_rename=lambda: crash_point("after_tracker_tmp", rank, iteration))
 
 
 def committed_iterations(root: str) -> list[int]:
@@ -124,7 +103,7 @@ def commit(root: str, iteration: int, attempt: str, rank: int = 0) -> None:
     crash_point("after_manifest", rank, iteration)
     src = tmp_dir(root, iteration, attempt)
     dst = iter_dir(root, iteration)
-    fsync_tree(src)
+    fs.fsync_tree(src)
     replaced = None
     if os.path.exists(dst):
         replaced = _replaced_dir(root, iteration)
@@ -133,7 +112,7 @@ def commit(root: str, iteration: int, attempt: str, rank: int = 0) -> None:
         os.rename(dst, replaced)
         crash_point("after_replace_old", rank, iteration)
     os.rename(src, dst)
-    _fsync_path(root)
+    fs.fsync_path(root)
     crash_point("after_rename", rank, iteration)
     write_tracker(root, iteration, rank)
     crash_point("after_tracker", rank, iteration)
@@ -144,7 +123,7 @@ def commit(root: str, iteration: int, attempt: str, rank: int = 0) -> None:
 def recover(root: str) -> None:
     """Undo what an interrupted save left in ``root``; run on one rank when a run starts.
 
-    Deletes ``.tmp_iter_*`` and ``.deleting_iter_*`` directories and the tracker's temporary file. A
+    Deletes ``.tmp_iter_*`` and ``.deleting_iter_*`` directories and the tracker's temporary files. A
     ``.replaced_iter_N`` is moved back to ``iter_N`` when the re-save never got there, and deleted otherwise.
     """
     if not os.path.isdir(root):
@@ -162,10 +141,8 @@ def recover(root: str) -> None:
             else:
                 logger.warning("restoring %s: the re-save that replaced it never committed", final)
                 os.rename(path, final)
-    tracker_tmp = os.path.join(root, f".{TRACKER_NAME}.tmp")
-    if os.path.exists(tracker_tmp):
-        os.remove(tracker_tmp)
-    _fsync_path(root)
+    fs.remove_temporaries(os.path.join(root, TRACKER_NAME))
+    fs.fsync_path(root)
 
 
 def apply_retention(root: str, keep: int, protect: set[int]) -> list[int]:

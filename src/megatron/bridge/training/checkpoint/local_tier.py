@@ -38,8 +38,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import fault_injection
+from megatron.bridge.utils import dist as dist_utils
+from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
+
+_MANAGER = "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager:LocalCheckpointManager"
 
 HASHES_ATTR = "mbridge_content_hashes"
 """Attribute of a saved ``MCoreTensorAwareStateDict`` holding its owner's content hashes (pickled with it)."""
@@ -168,9 +172,8 @@ def verify_content(tasd: Any, owner: Optional[str] = None) -> list[str]:
 
 def _manager_class() -> type:
     """``LocalCheckpointManager`` that finds a node's files in every rank directory of its session."""
-    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 
-    class NodeLocalCheckpointManager(LocalCheckpointManager):
+    class NodeLocalCheckpointManager(upstream.base_class(_MANAGER)):
         def _session_dir(self) -> Path:
             return Path(self.root_local_ckpt_dir) / self.session_id
 
@@ -207,9 +210,7 @@ def _manager_class() -> type:
 
         def _save(self, state_dict: Any, ckpt_id: Any) -> None:
             # torch.save's per-record CRC32 duplicates the owner's SHA-256 content hashes: skip it (~20% of the write).
-            from torch.utils.serialization import config
-
-            previous = config.save.compute_crc32
+            previous = upstream.get("torch.utils.serialization:config.save.compute_crc32")
             torch.serialization.set_crc32_options(False)
             try:
                 super()._save(state_dict, ckpt_id)
@@ -271,11 +272,7 @@ def _poison_for_drills(tasd: Any, rank: int, iteration: int) -> None:
 
 def _agreed(problems: list[str]) -> list[str]:
     """Every rank's problems, on every rank."""
-    if not dist.is_initialized():
-        return problems
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
-    return [p for part in gathered for p in part]
+    return [p for part in dist_utils.all_gather_object(problems) for p in part]
 
 
 class LocalTier:
@@ -340,7 +337,7 @@ class LocalTier:
         )
         tasd.common.update(common_extra or {})
         _prepare_tensors(tasd, replicating=self.manager.repl_strategy is not None)
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = dist_utils.rank()
         _poison_for_drills(tasd, rank, iteration)
         hashes = {**content_hashes(tasd), _OWNER: owner_tag(rank, iteration, self.layout)}
         setattr(tasd, HASHES_ATTR, hashes)  # of exactly what is written and sent to replicas
@@ -404,7 +401,8 @@ class LocalTier:
         """
         manager, strategy = self.manager, self.manager.repl_strategy
         manager.latest_iteration = iteration
-        wanted = manager._ckpt_id(iteration)
+        wanted = upstream.bound(manager, f"{_MANAGER}._ckpt_id")(iteration)
+        load_shard = upstream.bound(manager, f"{_MANAGER}._load_fn")
         plan, mine, problems = None, {}, []
         if strategy is not None:
             plan = strategy.retrieve_plan(manager.globally_available_ids, [wanted])
@@ -414,7 +412,7 @@ class LocalTier:
         for ckpt_id in needed:  # every shard this rank keeps or sends, verified before it leaves this node
             where = f"rank {ckpt_id[1]}'s shard {manager.path_of(ckpt_id)} on {socket.gethostname()}"
             try:
-                mine[ckpt_id] = manager._load_fn(ckpt_id)
+                mine[ckpt_id] = load_shard(ckpt_id)
             except Exception as err:  # noqa: BLE001 - any unreadable shard makes the tier unusable
                 problems.append(f"{where}: cannot be read ({type(err).__name__}: {err})")
                 continue
@@ -446,16 +444,15 @@ class LocalTier:
             iteration,
             self.manager.local_ckpt_dir.parent,
             len(counts),
-            dist.get_world_size() if dist.is_initialized() else 1,
+            dist_utils.world_size(),
         )
         return state_dict
 
     def discard(self, iteration: int) -> None:
         """Delete the local checkpoint of ``iteration`` on every node (all ranks call this)."""
-        self.manager._cleanup_failed_save(iteration)
+        upstream.bound(self.manager, f"{_MANAGER}._cleanup_failed_save")(iteration)
         self.manager.latest_iteration = -1
-        if dist.is_initialized():
-            dist.barrier()
+        dist_utils.barrier()
 
     def _reject(self, iteration: int, problems: list[str]) -> bool:
         if not problems:

@@ -11,6 +11,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from megatron.bridge.utils.fs import atomic_write_json
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
@@ -66,9 +68,8 @@ def hash_rank_shards(ckpt_dir: str, rank: int) -> None:
         if name.startswith(prefix) and name.endswith(".distcp")
     }
     path = os.path.join(ckpt_dir, f"{PARTIAL_PREFIX}{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({rel: [e.size, e.sha256] for rel, e in entries.items()}, f)
-    os.replace(path + ".tmp", path)
+    # Not durable: the commit reads and deletes it; the files it describes are flushed by the commit.
+    atomic_write_json(path, {rel: [e.size, e.sha256] for rel, e in entries.items()}, durable=False)
 
 
 def take_partial_manifests(ckpt_dir: str) -> dict[str, FileEntry]:
@@ -95,10 +96,7 @@ def write_manifest(ckpt_dir: str, iteration: int, entries: dict[str, FileEntry])
         "files": {rel: {"size": e.size, "sha256": e.sha256} for rel, e in sorted(entries.items())},
     }
     path = os.path.join(ckpt_dir, MANIFEST_NAME)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write_json(path, doc, indent=1)
     return path
 
 

@@ -1,0 +1,406 @@
+"""Every private name of torch, megatron-core and nvidia-resiliency-ext that this package reads, calls or patches.
+
+An upgrade of an upstream package may rename or drop a private name without notice. Where we call one, the call
+would fail with a bare ``AttributeError``; where we override or patch one, nothing fails at all: upstream stops
+calling our code and the fix it carried silently disappears. So each such name is listed here once
+(:data:`SYMBOLS`), with what we do with it and the package release it was checked against
+(:data:`CHECKED_AGAINST`), and code elsewhere reaches it only through this module: :func:`get` (raises
+:class:`UpstreamChanged` naming the symbol and both releases), :func:`find` (``None`` instead, for the CPU shims,
+which skip what is gone), :func:`patch`, :func:`bound` (a listed method of an upstream object), :func:`base_class`
+(an upstream class to subclass; warns when a method the subclass overrides is gone).
+``tests/unit_tests/utils/test_upstream.py`` resolves every entry and fails, naming each missing symbol, after an
+upgrade that removed one.
+
+Names used through public API are not listed; neither are attributes of upstream objects that are documented
+behaviour. nvidia-resiliency-ext 0.6 moved the straggler package: such entries list the newer module too.
+"""
+
+import importlib
+import inspect
+import logging
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+CHECKED_AGAINST = {"torch": "2.13.0", "megatron-core": "0.16.1", "nvidia-resiliency-ext": "0.4.1"}
+"""The releases every symbol below was checked against (and the unit test ran with)."""
+
+_PACKAGE_OF = {"torch": "torch", "megatron": "megatron-core", "nvidia_resiliency_ext": "nvidia-resiliency-ext"}
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """One private upstream name we depend on."""
+
+    key: str
+    """``"<module>:<attribute path>"`` as in :data:`CHECKED_AGAINST`'s releases, e.g.
+    ``"megatron.core.rerun_state_machine:RerunStateMachine._maybe_report_stats"``."""
+    use: str
+    """What we do with it: ``call``, ``read``, ``patch`` (we replace it), ``override`` (a subclass of ours
+    replaces it: upstream must still call it), ``state`` (an attribute upstream's ``__init__`` or methods set on
+    instances, which we read or write)."""
+    why: str
+    """Where and why."""
+    newer_modules: tuple[str, ...] = ()
+    """The same attribute's module in newer releases (tried first)."""
+
+    @property
+    def module(self) -> str:
+        """The module of the attribute in the checked release."""
+        return self.key.split(":", 1)[0]
+
+    @property
+    def attr(self) -> str:
+        """The attribute path inside the module."""
+        return self.key.split(":", 1)[1]
+
+    @property
+    def package(self) -> str:
+        """The distribution that ships it."""
+        return _PACKAGE_OF[self.module.split(".", 1)[0]]
+
+
+_RSM = "megatron.core.rerun_state_machine"
+_FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_LOCAL_MANAGER = "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager"
+_STRAGGLER = "nvidia_resiliency_ext.straggler"
+_STRAGGLER_NEW = "nvidia_resiliency_ext.attribution.straggler"
+
+
+def _torch_global(module: str, why: str, newer: tuple[str, ...] = ()) -> Symbol:
+    return Symbol(
+        f"{module}:torch", "patch", f"cpu_shims: the module's own `torch` name, swapped for a CPU view ({why})", newer
+    )
+
+
+def _manager(attr: str, use: str, why: str) -> Symbol:
+    return Symbol(f"{_LOCAL_MANAGER}:LocalCheckpointManager.{attr}", use, f"checkpoint/local_tier.py: {why}")
+
+
+def _rerun_state(attr: str) -> Symbol:
+    return Symbol(
+        f"{_RSM}:RerunStateMachine.{attr}",
+        "state",
+        "rerun.py: exported to and restored from checkpoints, read to drive the controller",
+    )
+
+
+SYMBOLS: tuple[Symbol, ...] = (
+    # ---------------------------------------------------------------- torch
+    Symbol(
+        "torch.distributed.distributed_c10d:_abort_process_group",
+        "call",
+        "initialize.abort_distributed: abort every group so that peers blocked in a collective fail now",
+    ),
+    Symbol(
+        "torch.distributed.distributed_c10d:_get_default_store",
+        "call",
+        "the default group's store: liveness records, utils.dist.barrier with a timeout",
+    ),
+    Symbol("torch:_foreach_mul_", "call", "cpu_shims: clip gradients in place, as upstream's clipping does"),
+    Symbol(
+        "torch.utils.serialization:config.save.compute_crc32",
+        "read",
+        "checkpoint/local_tier.py: restore torch.save's CRC setting after a save without it",
+    ),
+    # ---------------------------------------------------------------- megatron-core
+    Symbol(
+        f"{_RSM}:_set_rerun_state_machine",
+        "call",
+        "initialize.init_rerun_state: install our RerunStateMachine subclass (the public initializer builds the base)",
+    ),
+    Symbol(
+        f"{_RSM}:RerunStateMachine._maybe_report_stats",
+        "override",
+        "rerun.py: upstream's determinism-stats report reads caller fields that do not exist",
+    ),
+    Symbol(f"{_RSM}:RerunStateMachine.REPORTING_INTERVAL_ITERATIONS", "read", "rerun.py: when to report stats"),
+    Symbol(f"{_RSM}:Call", "call", "rerun.py: rebuild the failed validation call from a checkpoint"),
+    Symbol(f"{_RSM}:Caller", "call", "rerun.py: rebuild the failed validation call from a checkpoint"),
+    Symbol(f"{_RSM}:QuickStats.combine", "call", "rerun.py: merge every rank's determinism stats"),
+    Symbol(f"{_RSM}:QuickStats.print_stats", "call", "rerun.py: log the merged determinism stats"),
+    *(
+        _rerun_state(attr)
+        for attr in (
+            "mode",
+            "state",
+            "current_iteration",
+            "first_iteration_complete",
+            "failed_validation_call",
+            "rerun_requested",
+            "checkpoint_requested",
+            "restart_again_requested",
+            "continue_requested",
+            "initial_result",
+            "suspicious_node",
+            "suspicious_device",
+            "large_value_counts",
+            "max_values",
+            "stats",
+            "error_injector",
+        )
+    ),
+    *(
+        Symbol(f"{_RSM}:RerunErrorInjector.{attr}", "state", "rerun.py: exported to and restored from checkpoints")
+        for attr in ("error_injection_rate", "error_injection_type", "injected_error_type")
+    ),
+    Symbol(
+        f"{_FS_ASYNC}:_results_queue",
+        "patch",
+        "checkpoint/async_writer.py: a results queue whose manager process dies with the training process",
+    ),
+    Symbol(
+        f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data_multiproc",
+        "read",
+        "checkpoint/async_writer.py: recognise upstream's per-bucket forking writer, to write in one process",
+    ),
+    Symbol(
+        f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data",
+        "call",
+        "checkpoint/async_writer.py: write one bucket in the forked writer",
+    ),
+    Symbol(
+        "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+        "patch",
+        "cpu_shims: the RNG tracker's 'CUDA' state is the CPU generator's",
+    ),
+    Symbol(
+        "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+        "patch",
+        "cpu_shims: the RNG tracker's 'CUDA' state is the CPU generator's",
+    ),
+    Symbol(
+        "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+        "patch",
+        "cpu_shims: upstream asserts CUDA gradients",
+    ),
+    Symbol(
+        "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32",
+        "patch",
+        "cpu_shims: the optimizer module's imported copy of the same function",
+    ),
+    _torch_global("megatron.core.utils", "GlobalMemoryBuffer allocates on the CUDA device"),
+    _torch_global("megatron.core.tensor_parallel.random", "the RNG tracker seeds and reads CUDA generators"),
+    _torch_global("megatron.core.distributed.param_and_grad_buffer", "DDP buffers on the CUDA device"),
+    _torch_global("megatron.core.optimizer.optimizer", "optimizer state on the CUDA device"),
+    _torch_global("megatron.core.optimizer.clip_grads", "norms on the CUDA device"),
+    _torch_global("megatron.core.pipeline_parallel.schedules", "token counts on the CUDA device"),
+    _torch_global(_FS_ASYNC, "torch.cuda.synchronize before writing"),
+    _torch_global("megatron.core.dist_checkpointing.strategies.state_dict_saver", "a flag on the CUDA device"),
+    _torch_global("megatron.core.dist_checkpointing.strategies.async_utils", "torch.cuda.synchronize before forking"),
+    _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),
+    _torch_global("megatron.core.dist_checkpointing.tensor_aware_state_dict", "torch.cuda.synchronize"),
+    # ---------------------------------------------------------------- nvidia-resiliency-ext
+    _torch_global(
+        "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager", "torch.cuda.synchronize after a save"
+    ),
+    _torch_global(f"{_STRAGGLER}.straggler", "torch.cuda.synchronize in reports", (f"{_STRAGGLER_NEW}.straggler",)),
+    _torch_global(
+        f"{_STRAGGLER}.interval_tracker",
+        "the report interval on the CUDA device",
+        (f"{_STRAGGLER_NEW}.interval_tracker",),
+    ),
+    Symbol(
+        f"{_STRAGGLER}.straggler:CuptiManager",
+        "patch",
+        "cpu_shims: the kernel profiler needs libcupti; replaced by one that records nothing",
+        (f"{_STRAGGLER_NEW}.straggler",),
+    ),
+    *(
+        Symbol(
+            f"nvidia_resiliency_ext.checkpointing.local.replication.group_utils:GroupWrapper.{attr}",
+            use,
+            f"cpu_shims: replica exchange without CUDA staging ({why})",
+        )
+        for attr, use, why in (
+            ("isend_state_dict", "patch", "sends CPU tensors"),
+            ("irecv_state_dict", "patch", "receives into CPU tensors"),
+            ("send_object", "call", "the replacements send the hollow state dict with it"),
+            ("recv_object", "call", "the replacements receive the hollow state dict with it"),
+        )
+    ),
+    _manager("_ckpt_id", "call", "the id of this rank's shard of an iteration"),
+    _manager("_load_fn", "call", "read one shard (own or a replica) to verify it before it is used or sent"),
+    _manager("_cleanup_failed_save", "override", "delete an iteration's files in every rank directory of the node"),
+    _manager("_cleanup", "override", "retention over every rank directory of the node"),
+    _manager("_my_ckpt_ids", "override", "find the node's shards in every rank directory (ranks move after restarts)"),
+    _manager("_load", "override", "load a shard from whichever rank directory holds it"),
+    _manager("_save", "override", "save without torch.save's CRC (the content hashes cover it)"),
+    _manager("_ensure_dir", "call", "create the rank directory before scanning"),
+    _manager("_filename_from_template", "call", "the shard file name pattern"),
+    _manager("_filename_to_id", "call", "a shard file name's id"),
+    _manager("_local_ckpt_path_from_id", "call", "a shard's file name"),
+    _manager("root_local_ckpt_dir", "state", "the node's root directory"),
+    _manager("session_id", "state", "the job's session directory"),
+    _manager("local_ckpt_dir", "read", "this rank's directory"),
+    _manager("latest_iteration", "state", "reset before a scan, set before a load"),
+    _manager("globally_available_ids", "state", "every rank's shards, for the replica retrieval plan"),
+    _manager("repl_strategy", "state", "the replication strategy, if any"),
+)
+
+_BY_KEY = {s.key: s for s in SYMBOLS}
+_warned: set[str] = set()
+
+
+class UpstreamChanged(AttributeError):
+    """A listed private upstream name does not resolve in the installed release."""
+
+
+def installed_version(package: str) -> Optional[str]:
+    """The installed release of ``package`` (a distribution name), or ``None``."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _describe(symbol: Symbol, reason: str) -> str:
+    return (
+        f"{symbol.key} ({symbol.use}; {symbol.why}): {reason}. Checked against {symbol.package} "
+        f"{CHECKED_AGAINST[symbol.package]}, installed {installed_version(symbol.package) or 'none'}; "
+        f"update megatron/bridge/utils/upstream.py and its users"
+    )
+
+
+def _symbol(key: str) -> Symbol:
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"{key} is not listed in megatron.bridge.utils.upstream.SYMBOLS: list it there first") from None
+
+
+def _sets_on_instances(cls: type, name: str) -> bool:
+    """Whether some class in ``cls``'s MRO assigns ``self.<name>`` in its source."""
+    pattern = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=\n]+)?=(?!=)")
+    for klass in inspect.getmro(cls):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if pattern.search(source):
+            return True
+    return False
+
+
+def _resolve(symbol: Symbol) -> tuple[Any, str, Any]:
+    """``(owner, attribute name, value)`` of ``symbol``; raises :class:`UpstreamChanged` with the reason."""
+    errors = []
+    module: Optional[ModuleType] = None
+    for name in (*symbol.newer_modules, symbol.module):
+        try:
+            module = importlib.import_module(name)
+            break
+        except ImportError as err:
+            errors.append(f"{name}: {err}")
+    if module is None:
+        raise UpstreamChanged(_describe(symbol, "module not importable (" + "; ".join(errors) + ")"))
+    *parents, last = symbol.attr.split(".")
+    owner: Any = module
+    for part in parents:
+        if not hasattr(owner, part):
+            raise UpstreamChanged(_describe(symbol, f"{module.__name__} has no {part!r}"))
+        owner = getattr(owner, part)
+    if hasattr(owner, last):
+        return owner, last, getattr(owner, last)
+    if symbol.use == "state" and inspect.isclass(owner) and _sets_on_instances(owner, last):
+        return owner, last, None
+    raise UpstreamChanged(_describe(symbol, f"{module.__name__}.{'.'.join(parents) or '<module>'} has no {last!r}"))
+
+
+def get(key: str) -> Any:
+    """The object ``key`` names (a listed :class:`Symbol`); ``None`` for a ``state`` attribute of instances.
+
+    Raises:
+        UpstreamChanged: it does not resolve in the installed release (the message names both releases).
+    """
+    return _resolve(_symbol(key))[2]
+
+
+def find(key: str) -> Any:
+    """Like :func:`get`, but ``None`` (logged once) when the symbol is gone."""
+    try:
+        return get(key)
+    except UpstreamChanged as err:
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("upstream symbol missing: %s", err)
+        return None
+
+
+def owner(key: str) -> Any:
+    """The module or class that holds ``key``'s attribute, or ``None`` (logged once) when the symbol is gone."""
+    try:
+        return _resolve(_symbol(key))[0]
+    except UpstreamChanged as err:
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("upstream symbol missing: %s", err)
+        return None
+
+
+def patch(key: str, value: Any) -> bool:
+    """Replace ``key``'s attribute with ``value`` (a ``patch`` symbol); ``False`` (logged once) when it is gone."""
+    symbol = _symbol(key)
+    assert symbol.use == "patch", f"{key} is listed as {symbol.use!r}, not patched"
+    holder = owner(key)
+    if holder is None:
+        return False
+    setattr(holder, symbol.attr.rsplit(".", 1)[-1], value)
+    return True
+
+
+def bound(obj: Any, key: str) -> Any:
+    """``obj``'s attribute named by ``key`` (a method listed on ``obj``'s upstream class, bound: overrides count).
+
+    Raises:
+        UpstreamChanged: the listed symbol does not resolve in the installed release.
+    """
+    symbol = _symbol(key)
+    _resolve(symbol)
+    return getattr(obj, symbol.attr.rsplit(".", 1)[-1])
+
+
+def base_class(path: str) -> type:
+    """The upstream class ``"<module>:<class>"`` to subclass; warns once for each listed override it lacks.
+
+    An override of a method upstream renamed is never called: the warning names it when the subclass is built.
+    """
+    module, name = path.split(":", 1)
+    cls = getattr(importlib.import_module(module), name)
+    for symbol in SYMBOLS:
+        if symbol.key.startswith(f"{path}.") and symbol.use == "override":
+            find(symbol.key)
+    return cls
+
+
+def problems() -> list[str]:
+    """One line per listed symbol that does not resolve in the installed releases (empty when all do)."""
+    found = []
+    for symbol in SYMBOLS:
+        try:
+            _resolve(symbol)
+        except UpstreamChanged as err:
+            found.append(str(err))
+    return found
+
+
+# ------------------------------------------------------------------------------------------ calls, by purpose
+
+
+def default_store() -> Any:
+    """The store of the default process group (its rendezvous store, under the group's prefix)."""
+    return get("torch.distributed.distributed_c10d:_get_default_store")()
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process (NCCL communicators are aborted, not just destroyed)."""
+    get("torch.distributed.distributed_c10d:_abort_process_group")()
+
+
+def set_rerun_state_machine(machine: Any) -> None:
+    """Install ``machine`` as megatron-core's process-wide re-run state machine."""
+    get(f"{_RSM}:_set_rerun_state_machine")(machine)
