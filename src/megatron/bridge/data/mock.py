@@ -81,6 +81,11 @@ def build_data_iterator(
         MockGPTDataset(vocab_size, seq_length, seed),
         batch_sampler=PositionedBatchSampler(consumed_samples, micro_batch_size, dp_rank, dp_size),
         num_workers=num_workers,
+        # Workers are spawned, not forked: a rank forks them from a process with dozens of threads (gloo's loops,
+        # the hang watch, checkpoint writers), and a lock one of them holds at that instant stays held forever in
+        # the child; a worker's start-up then hung now and then (``torch.set_num_threads(1)`` in the worker takes
+        # the C runtime's atexit lock). A spawned worker starts from a fresh interpreter.
+        multiprocessing_context="spawn" if num_workers > 0 else None,
         persistent_workers=num_workers > 0,
         worker_init_fn=worker_init_fn,
         # A private generator: creating the iterator must not draw from the global RNG, or a resumed run (which
