@@ -86,3 +86,27 @@ def test_no_fallback_without_an_older_checkpoint(tmp_path):
     controller = RerunController(RerunStateMachineConfig(on_rerun_limit="fallback"), str(tmp_path))
     assert controller._fall_back(step=5, failing=4) is None
     assert (tmp_path / "iter_0000004").is_dir() and layout.read_tracker(str(tmp_path)) == 4
+
+
+def test_check_losses_validates_a_copy_of_each_loss_where_the_loss_function_computes_it(monkeypatch):
+    from megatron.bridge.training import rerun
+
+    checked = []
+    monkeypatch.setattr(rerun, "validate_loss", checked.append)
+    loss = torch.tensor(2.5)
+
+    def loss_func(output, non_loss_data=False):
+        return (output if non_loss_data else loss), {"lm loss": loss.clone()}
+
+    def forward_step(data_iterator, model):
+        return torch.tensor([1.0]), loss_func
+
+    output, checked_loss_func = rerun.check_losses(forward_step)(iter(()), None)
+    assert torch.equal(output, torch.tensor([1.0])) and not checked  # nothing checked before the loss is computed
+    returned, reduced = checked_loss_func(output)
+    assert returned is loss and reduced["lm loss"].item() == 2.5  # passed through unchanged
+    assert len(checked) == 1 and checked[0].item() == 2.5 and checked[0] is not loss  # a copy: the schedule
+    returned /= 4  # divides the returned loss in place; the checked copy keeps its value
+    assert checked[0].item() == 2.5
+    checked_loss_func(output, non_loss_data=True)
+    assert len(checked) == 1  # non-loss data is not a loss

@@ -6,7 +6,6 @@ from typing import Any
 import torch
 
 from megatron.bridge.training.config import ModelConfig
-from megatron.bridge.training.rerun import validate_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -58,9 +57,6 @@ def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> t
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
-    # NaN/Inf and spiky-loss checks (rerun_state_machine config). A copy: the schedule divides the returned loss
-    # in place by the number of micro-batches, and the state machine keeps the tensor to compare with its re-run.
-    validate_loss(loss.detach().clone())
     return loss, {"lm loss": loss.detach().clone()}
 
 

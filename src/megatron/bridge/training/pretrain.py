@@ -34,7 +34,7 @@ from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
-from megatron.bridge.training.rerun import RerunController
+from megatron.bridge.training.rerun import RerunController, check_losses
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
@@ -185,7 +185,8 @@ def _pretrain(
             scheduler=scheduler,
             state=state,
             data_iterator=rerun.wrap_data_iterator(data_iterator),
-            forward_step_func=straggler.wrap_forward_step(faults.wrap_forward_step(forward_step_func)),
+            # Every loss is checked where the loss function computes it; straggler detection times the forward.
+            forward_step_func=straggler.wrap_forward_step(check_losses(faults.wrap_forward_step(forward_step_func))),
             checkpoints=checkpoints,
             metrics=metrics,
             ft=ft,

@@ -1,7 +1,8 @@
 """Loss validation with megatron-core's re-run state machine, and a bounded way out of re-run restart loops.
 
-Every micro-batch loss is checked where it is computed (:func:`validate_loss`) for NaN/Inf and, optionally, for a
-spike. What happens next depends on ``rerun_state_machine.rerun_mode``:
+Every micro-batch loss is checked where it is computed for NaN/Inf and, optionally, for a spike: the train loop's
+forward step is wrapped by :func:`check_losses`, whose loss function calls :func:`validate_loss` on each loss.
+What happens next depends on ``rerun_state_machine.rerun_mode``:
 
 * ``disabled``: after the forward-backward passes, one all-reduce tells every rank whether any rank saw a
   non-finite loss; then every rank skips the optimizer step (up to ``max_consecutive_nan_skips`` in a row) or
@@ -24,7 +25,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -105,8 +106,32 @@ def _report_determinism_stats(machine: Any) -> None:
         )
 
 
+def check_losses(forward_step: Callable) -> Callable:
+    """``forward_step`` whose loss function checks each loss it computes (:func:`validate_loss`), then returns it.
+
+    The loss checked is the first value the loss function returns (the mean, or the sum when it also returns a
+    token count), as megatron-core's schedule receives it; a call for non-loss data is not checked.
+    """
+
+    @functools.wraps(forward_step)
+    def checked_forward_step(*args: Any, **kwargs: Any) -> tuple[Any, Callable]:
+        output, loss_func = forward_step(*args, **kwargs)
+
+        def checked_loss_func(*loss_args: Any, **loss_kwargs: Any) -> Any:
+            outputs = loss_func(*loss_args, **loss_kwargs)
+            if not loss_kwargs.get("non_loss_data", False):
+                # A copy: the schedule divides the returned loss in place by the number of micro-batches, and the
+                # state machine keeps the tensor to compare with its re-run.
+                validate_loss(outputs[0].detach().clone())
+            return outputs
+
+        return output, checked_loss_func
+
+    return checked_forward_step
+
+
 def validate_loss(loss: torch.Tensor) -> None:
-    """Check one micro-batch's loss (call it where the loss is computed, inside the forward-backward passes)."""
+    """Check one micro-batch's loss (called where the loss is computed, inside the forward-backward passes)."""
     if _checks is None:
         return
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
