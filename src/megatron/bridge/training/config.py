@@ -389,6 +389,6 @@ class ConfigContainer:
         Args:
             world_size: number of ranks; defaults to ``$WORLD_SIZE`` (1 when unset).
         """
-        from megatron.bridge.training.config_validation import validate_config
+        from megatron.bridge.training.config_validation import validate_config  # one way: it never imports this
 
-        validate_config(self, world_size)
+        validate_config(self, world_size, INPROCESS_STORE_PORT_OFFSET)

@@ -2,26 +2,32 @@
 
 Every failure is a ``ValueError`` of the form ``"<field>: <problem>. Fix: <fix>."`` so that a user reading
 the log knows which dotted override to change and how.
+
+``config.py`` calls these checks; they receive the config's objects and values and import nothing from
+``config.py`` at run time (its classes only for type checking), so the dependency goes one way.
 """
+
+from __future__ import annotations
 
 import logging
 import os
 import signal
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from megatron.bridge.training import fault_injection
 from megatron.bridge.training.checkpoint.validation import validate_checkpoint
-from megatron.bridge.training.config import (
-    INPROCESS_STORE_PORT_OFFSET,
-    ConfigContainer,
-    FaultToleranceConfig,
-    ModelConfig,
-    OptimizerConfig,
-    SchedulerConfig,
-    TrainConfig,
-)
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.config import (
+        ConfigContainer,
+        FaultToleranceConfig,
+        ModelConfig,
+        OptimizerConfig,
+        SchedulerConfig,
+        TrainConfig,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +36,13 @@ def _fail(field_name: str, problem: str, fix: str) -> None:
     raise ValueError(f"{field_name}: {problem}. Fix: {fix}.")
 
 
-def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> None:
+def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_offset: int) -> None:
     """Check every field and every combination of ``cfg``; raise ``ValueError`` naming the field and the fix.
 
     Args:
         cfg: the configuration to check.
-        world_size: number of ranks; defaults to ``$WORLD_SIZE`` (1 when unset).
+        world_size: number of ranks; ``None``: ``$WORLD_SIZE`` (1 when unset).
+        store_port_offset: in-process restart's store listens on ``MASTER_PORT`` + this.
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,7 +57,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int] = None) -> N
     _validate_fault_tolerance(cfg.ft, world_size)
     _validate_straggler(cfg)
     _validate_rerun(cfg)
-    _validate_inprocess_restart(cfg, world_size)
+    _validate_inprocess_restart(cfg, world_size, store_port_offset)
     _validate_health(cfg)
     _validate_fault_injection(cfg, world_size)
 
@@ -363,7 +370,7 @@ _INPROCESS_ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERROR
 _INPROCESS_MONITOR_INTERVAL_S = 2.0  # the longest of the wrapper's monitoring intervals (the progress watchdog's)
 
 
-def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int) -> None:
+def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_port_offset: int) -> None:
     ipr = cfg.inprocess_restart
     if not ipr.enabled:
         return
@@ -426,11 +433,11 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int) -> None:
         _fail(
             f"{p}.enabled",
             "needs MASTER_ADDR and MASTER_PORT (the rendezvous store; the wrapper's store listens on MASTER_PORT + "
-            f"{INPROCESS_STORE_PORT_OFFSET})",
+            f"{store_port_offset})",
             "launch with torchrun, python -m megatron.bridge.launch or ft_launcher, or export both",
         )
-    if int(os.environ["MASTER_PORT"]) + INPROCESS_STORE_PORT_OFFSET > 65535:
-        _fail(f"{p}.enabled", f"MASTER_PORT + {INPROCESS_STORE_PORT_OFFSET} is not a port", "use a lower MASTER_PORT")
+    if int(os.environ["MASTER_PORT"]) + store_port_offset > 65535:
+        _fail(f"{p}.enabled", f"MASTER_PORT + {store_port_offset} is not a port", "use a lower MASTER_PORT")
     if ipr.granularity == "node" and not os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
         _fail(
             f"{p}.granularity",

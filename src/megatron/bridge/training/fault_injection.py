@@ -58,9 +58,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from megatron.bridge.training.config import FaultInjectionConfig
+if TYPE_CHECKING:  # no import at run time: config.py's validate() parses fault specs with this module
+    from megatron.bridge.training.config import FaultInjectionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class FaultRegistry:
 _active: Optional[FaultRegistry] = None
 
 
-def install(cfg: FaultInjectionConfig, inprocess_iteration: int = 0, extra: Iterable[Fault] = ()) -> FaultRegistry:
+def install(cfg: "FaultInjectionConfig", inprocess_iteration: int = 0, extra: Iterable[Fault] = ()) -> FaultRegistry:
     """Make the faults of ``cfg``, ``$MBRIDGE_FAULTS`` and ``extra`` the ones of this process (at each start)."""
     global _active
     faults = [*parse(cfg.faults or "", "fault_injection.faults"), *parse(os.environ.get(ENV, "")), *extra]

@@ -3,10 +3,14 @@
 Failures are ``ValueError("<field>: <problem>. Fix: <fix>.")``, like every other config check.
 """
 
+from __future__ import annotations
+
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from megatron.bridge.training.config import CheckpointConfig
+if TYPE_CHECKING:  # no import at run time: config.py runs these checks
+    from megatron.bridge.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
