@@ -8,6 +8,7 @@ fault-free run's; 1 otherwise; 2 for a bad schedule or argument.
 """
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -24,8 +25,10 @@ from megatron.bridge.training.fault_injection import struck_faults
 
 logger = logging.getLogger(__name__)
 
-ENTRY = Path(__file__).resolve().parents[4] / "examples" / "pretrain_tiny_gpt.py"
-"""The tiny GPT recipe's entry script (the drill runs from a source checkout)."""
+ENTRY = "megatron.bridge.recipes.tiny_gpt"
+"""The module each rank runs (``python -m``): the tiny GPT recipe, which ships in the package."""
+FT_LAUNCHER = "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; sys.exit(main())"
+"""ft_launcher's console entry point, run by the drill's own interpreter (see :func:`_ft_launcher`)."""
 
 
 def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -77,12 +80,14 @@ def _prepare_run_dir(run_dir: Path) -> None:
     (run_dir / _MARKER).write_text("a resiliency drill's run directory: emptied by the next drill\n")
 
 
-def _ft_launcher() -> str:
-    beside = Path(sys.executable).parent / "ft_launcher"
-    found = str(beside) if beside.exists() else shutil.which("ft_launcher")
-    if found is None:
+def _ft_launcher() -> list[str]:
+    """The ft_launcher command, run by this interpreter: its workers then import this same installation.
+
+    (An ``ft_launcher`` script found on ``PATH`` may belong to another environment, e.g. a source checkout's.)
+    """
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
         raise SystemExit("ft_launcher not found: install nvidia-resiliency-ext (bash scripts/setup_env.sh)")
-    return found
+    return [sys.executable, "-c", FT_LAUNCHER]
 
 
 def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -> list[str]:
@@ -121,11 +126,11 @@ def _train(
     ledger = run / "fault_ledger.jsonl"
     spec = schedule.worker_faults(faults)  # the faults injected inside the ranks, each once per job (the ledger)
     cmd = [
-        _ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+        *_ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}",
         f"--ft-rank-section-timeouts=setup:300,step:{args.step_timeout:g},checkpointing:120",
         "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=10",
-        str(ENTRY), *training_overrides(args, run, args.run_dir / "tensorboard" / label), *overrides,
+        "-m", ENTRY, *training_overrides(args, run, args.run_dir / "tensorboard" / label), *overrides,
         f"fault_injection.ledger={ledger}",
         *([f"fault_injection.faults={spec}"] if spec else []),
     ]  # fmt: skip

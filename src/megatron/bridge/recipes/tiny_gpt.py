@@ -2,6 +2,10 @@
 
 Every size is a config field, so the same recipe scales up on GPUs through overrides
 (``model.num_layers=24 model.hidden_size=2048 model.tensor_model_parallel_size=8 ...``).
+
+Train it with any launcher; the module ships in the package, so this works from an installed wheel too::
+
+    torchrun --nproc-per-node=2 -m megatron.bridge.recipes.tiny_gpt checkpoint.save=/ckpt checkpoint.load=/ckpt
 """
 
 from megatron.bridge.training.config import (
@@ -19,3 +23,15 @@ def tiny_gpt_config() -> ConfigContainer:
         train=TrainConfig(train_iters=20, micro_batch_size=2, global_batch_size=8),
         checkpoint=CheckpointConfig(most_recent_k=3),
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Pretrain the tiny GPT with dotted ``key=value`` overrides (the command line's by default); exits."""
+    from megatron.bridge.models.gpt import gpt_forward_step
+    from megatron.bridge.training.pretrain import main as pretrain_main
+
+    pretrain_main(tiny_gpt_config, gpt_forward_step, argv)
+
+
+if __name__ == "__main__":  # the guard matters: checkpoint writers and data loaders spawn helper processes
+    main()
