@@ -1,10 +1,24 @@
 """A real one-node Slurm cluster with accounting (munge, MariaDB, slurmdbd, slurmctld, slurmd) for drills.
 
-Everything lives in a temporary directory; :func:`slurm_cluster` starts the daemons, waits until the node is idle,
-yields the environment jobs and clients need (``SLURM_CONF``), and stops them in the order that does not leave
-``slurmstepd`` retrying RPCs: jobs, slurmd, slurmctld, slurmdbd, MariaDB, munged. Debian packages
-``slurmctld slurmd slurm-client slurmdbd munge mariadb-server`` must be installed (the CI script installs them);
-the tests that need the cluster are skipped with the reason when they are not, or when not running as root.
+Two test runs on one machine must each get a cluster of their own, so nothing is shared between clusters but the
+installed programs and the node name: every cluster has its own ports (slurmctld, slurmd, slurmdbd, MariaDB, from
+:func:`tests.resources.free_port`), its own munged (socket, key, pid, seed and log files; the daemons, clients and
+jobs find it through ``AuthInfo=socket=...``, connections to slurmdbd through
+``AccountingStoragePass``), its own MariaDB data directory and socket, cluster name, state,
+spool, pid and log files. ``NodeName`` must be the host name; two slurmd with that name coexist because each answers
+only its own controller, on its own port.
+
+:func:`slurm_cluster` starts the daemons, waits until the node is idle, yields the environment jobs and clients need
+(``SLURM_CONF``), and stops them in the order that does not leave ``slurmstepd`` retrying RPCs: jobs, slurmd,
+slurmctld, slurmdbd, MariaDB, munged. Nothing outlives it: every daemon and every job process carries the cluster's
+``SLURM_CONF`` in its environment, the stop ends by SIGKILLing whatever still carries it, and a reaper process does
+the same if the test process dies without stopping the cluster (SIGKILL, a crash). The daemons are started without
+the test tags of :mod:`tests.processes`, so the end of the test that happened to start a shared cluster does not
+stop it.
+
+Debian packages ``slurmctld slurmd slurm-client slurmdbd munge mariadb-server`` must be installed
+(``scripts/setup_slurm.sh``); the tests that need a cluster are skipped with the reason when they are not, or when
+not running as root.
 """
 
 import contextlib
@@ -13,9 +27,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tests import processes
+from tests.resources import free_port
 
 REQUIRED = (
     "slurmctld",
@@ -25,10 +44,12 @@ REQUIRED = (
     "sacct",
     "sacctmgr",
     "munged",
+    "mungekey",
     "mariadbd",
     "mariadb-install-db",
 )
 DB_USER, DB_PASS, DB_NAME = "slurm", "slurm-drill", "slurm_acct_db"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def missing() -> str | None:
@@ -43,65 +64,76 @@ def _which(tool: str) -> str:
     return shutil.which(tool) or str(Path("/usr/sbin", tool))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(predicate, timeout: float, what: str, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.5)
+        time.sleep(0.2)
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
     raise RuntimeError(f"{what} did not happen within {timeout} s\n{tail}")
 
 
-def _run(*cmd: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=check, stdin=subprocess.DEVNULL)
+def _run(*cmd: str, env: dict | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, env=env, capture_output=True, text=True, check=check, stdin=subprocess.DEVNULL, timeout=timeout
+    )
 
 
 def _kill_pidfile(path: Path, timeout: float = 20) -> None:
-    if not path.exists():
-        return
+    """SIGTERM the daemon named by ``path`` and wait for it to exit; SIGKILL it after ``timeout`` seconds."""
     try:
         pid = int(path.read_text().split()[0])
         os.kill(pid, signal.SIGTERM)
-    except (ValueError, ProcessLookupError, IndexError):
+    except (OSError, ValueError, IndexError):  # no pid file, or the daemon is gone
         return
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
 
 
-def _slurm_conf(root: Path, host: str, dbd_port: int) -> str:
-    return f"""ClusterName=drill
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (MariaDB is this process's child: once it exits it is a zombie until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def sweep(conf: str, sockets: str) -> list[int]:
+    """SIGKILL every process of the cluster whose ``slurm.conf`` is ``conf`` (daemons, slurmstepd, jobs); remove
+    its socket directory. Returns the PIDs killed."""
+    killed = processes.kill_tagged("SLURM_CONF", conf)
+    shutil.rmtree(sockets, ignore_errors=True)
+    return killed
+
+
+def _slurm_conf(root: Path, sockets: Path, name: str, host: str, ports: dict[str, int]) -> str:
+    return f"""ClusterName={name}
 SlurmctldHost={host}
+SlurmctldPort={ports["slurmctld"]}
+SlurmdPort={ports["slurmd"]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=10,socket={sockets}/munge.sock
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost={host}
-AccountingStoragePort={dbd_port}
+AccountingStoragePort={ports["slurmdbd"]}
+AccountingStoragePass={sockets}/munge.sock
 JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=1
+SchedulerParameters=sched_interval=1,bf_interval=1
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 ReturnToService=2
@@ -120,14 +152,15 @@ PartitionName=high Nodes=ALL Default=NO MaxTime=INFINITE State=UP PriorityTier=1
 """
 
 
-def _slurmdbd_conf(root: Path, host: str, dbd_port: int, db_port: int) -> str:
+def _slurmdbd_conf(root: Path, sockets: Path, host: str, ports: dict[str, int]) -> str:
     return f"""AuthType=auth/munge
+AuthInfo=socket={sockets}/munge.sock
 DbdHost={host}
-DbdPort={dbd_port}
+DbdPort={ports["slurmdbd"]}
 SlurmUser=root
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
-StoragePort={db_port}
+StoragePort={ports["mariadb"]}
 StorageUser={DB_USER}
 StoragePass={DB_PASS}
 StorageLoc={DB_NAME}
@@ -136,53 +169,76 @@ LogFile={root}/slurmdbd.log
 """
 
 
+def _start_reaper(conf: str, sockets: Path) -> subprocess.Popen:
+    """A process that sweeps the cluster once this one exits, however it exits (it reads a pipe until EOF)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.functional_tests.slurm_cluster", conf, str(sockets)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        env=processes.untracked_env(), start_new_session=True,
+    )  # fmt: skip
+
+
+def _start_munged(sockets: Path, root: Path, env: dict) -> Path:
+    """munged with its own key and socket; returns its pid file. The socket's directory must be reachable by all."""
+    _run(_which("mungekey"), "--create", f"--keyfile={sockets / 'munge.key'}")
+    pid = sockets / "munged.pid"
+    _run(
+        _which("munged"), f"--socket={sockets / 'munge.sock'}", f"--key-file={sockets / 'munge.key'}",
+        f"--pid-file={pid}", f"--seed-file={root / 'munged.seed'}", f"--log-file={root / 'munged.log'}", env=env,
+    )  # fmt: skip
+    return pid
+
+
+def _start_mariadb(sockets: Path, root: Path, port: int, env: dict) -> Path:
+    """A MariaDB server on its own data directory, socket and TCP port (127.0.0.1), with slurmdbd's user."""
+    db, sock, log, pid = root / "db", sockets / "mariadb.sock", root / "mariadb.log", root / "mariadb.pid"
+    _run(
+        _which("mariadb-install-db"), "--no-defaults", f"--datadir={db}", "--user=root", "--skip-test-db",
+        "--auth-root-authentication-method=normal", env=env, timeout=120,
+    )  # fmt: skip
+    subprocess.Popen(
+        [_which("mariadbd"), "--no-defaults", f"--datadir={db}", "--user=root", f"--port={port}",
+         "--bind-address=127.0.0.1", f"--socket={sock}", f"--pid-file={pid}", f"--log-error={log}",
+         "--skip-log-bin", "--innodb-buffer-pool-size=16M"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=env,
+    )  # fmt: skip
+    _wait(lambda: sock.exists() and pid.exists(), 120, "MariaDB start", log)
+    sql = (
+        f"CREATE USER '{DB_USER}'@'127.0.0.1' IDENTIFIED BY '{DB_PASS}'; "
+        f"GRANT ALL ON {DB_NAME}.* TO '{DB_USER}'@'127.0.0.1'; FLUSH PRIVILEGES;"
+    )
+    _run("mariadb", "--no-defaults", f"--socket={sock}", "-uroot", "-e", sql, env=env)
+    return pid
+
+
 @contextlib.contextmanager
 def slurm_cluster(root: Path) -> Iterator[dict[str, str]]:
-    """Start the cluster under ``root``; yield the environment for ``sbatch``/``squeue``/nemo_run; stop it."""
+    """Start a cluster under ``root``; yield the environment for ``sbatch``/``squeue``/nemo_run; stop it."""
     host = socket.gethostname()
+    ports = {daemon: free_port() for daemon in ("slurmctld", "slurmd", "slurmdbd", "mariadb")}
+    name = f"drill{ports['slurmctld']}"
     for sub in ("state", "spool", "db"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    db_port, dbd_port = _free_port(), _free_port()
-    env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
-    (root / "slurm.conf").write_text(_slurm_conf(root, host, dbd_port))
+    # Unix sockets: a short path (they are limited to 107 bytes) that every user can reach (munged requires it).
+    sockets = Path(tempfile.mkdtemp(prefix="mbridge-slurm-"))
+    sockets.chmod(0o755)
+    conf = str(root / "slurm.conf")
+    env = {**processes.untracked_env(), "SLURM_CONF": conf}
+    (root / "slurm.conf").write_text(_slurm_conf(root, sockets, name, host, ports))
     dbd_conf = root / "slurmdbd.conf"
-    dbd_conf.write_text(_slurmdbd_conf(root, host, dbd_port, db_port))
+    dbd_conf.write_text(_slurmdbd_conf(root, sockets, host, ports))
     dbd_conf.chmod(0o600)
+    reaper = _start_reaper(conf, sockets)
     started: list[Path] = []
     try:
-        # munge: the credentials every Slurm RPC carries
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        munge_pid = Path("/run/munge") / f"munged-{os.getpid()}.pid"  # the munge user may not reach `root`
-        _run("runuser", "-u", "munge", "--", _which("munged"), f"--pid-file={munge_pid}", "--force")
-        started.append(munge_pid)
-        # MariaDB for slurmdbd (TCP on 127.0.0.1 only)
-        _run(
-            _which("mariadb-install-db"),
-            f"--datadir={root / 'db'}",
-            "--user=root",
-            "--auth-root-authentication-method=normal",
-        )
-        db_pid, db_sock, db_log = root / "mariadb.pid", root / "mariadb.sock", root / "mariadb.log"
-        subprocess.Popen(
-            [_which("mariadbd"), f"--datadir={root / 'db'}", "--user=root", f"--port={db_port}",
-             "--bind-address=127.0.0.1", f"--socket={db_sock}", f"--pid-file={db_pid}", f"--log-error={db_log}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        started.append(db_pid)
-        _wait(db_sock.exists, 60, "MariaDB start", db_log)
-        sql = (
-            f"CREATE USER '{DB_USER}'@'127.0.0.1' IDENTIFIED BY '{DB_PASS}'; "
-            f"GRANT ALL ON {DB_NAME}.* TO '{DB_USER}'@'127.0.0.1'; FLUSH PRIVILEGES;"
-        )
-        _run("mariadb", f"--socket={db_sock}", "-uroot", "-e", sql)
-        # slurmdbd, then the cluster in the accounting database
+        started.append(_start_munged(sockets, root, env))
+        started.append(_start_mariadb(sockets, root, ports["mariadb"], env))
         _run(_which("slurmdbd"), env=env)
         started.append(root / "slurmdbd.pid")
         _wait(lambda: _run("sacctmgr", "-n", "list", "cluster", env=env, check=False).returncode == 0, 60,
               "slurmdbd start", root / "slurmdbd.log")  # fmt: skip
-        _run("sacctmgr", "-i", "add", "cluster", "drill", env=env, check=False)
-        # controller and node
+        _run("sacctmgr", "-i", "add", "cluster", name, env=env, check=False)
         _run(_which("slurmctld"), "-i", env=env)
         started.append(root / "slurmctld.pid")
         _run(_which("slurmd"), env=env)
@@ -191,8 +247,18 @@ def slurm_cluster(root: Path) -> Iterator[dict[str, str]]:
               "node idle", root / "slurmctld.log")  # fmt: skip
         yield env
     finally:
-        _run("scancel", "--full", "-u", "root", env=env, check=False)
-        with contextlib.suppress(RuntimeError):
-            _wait(lambda: not _run("squeue", "-h", env=env, check=False).stdout.strip(), 60, "empty queue")
-        for pidfile in reversed(started):
-            _kill_pidfile(pidfile)
+        try:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                _run("scancel", "--full", "-u", "root", env=env, check=False)
+                _wait(lambda: not _run("squeue", "-h", env=env, check=False).stdout.strip(), 60, "empty queue")
+            for pidfile in reversed(started):
+                _kill_pidfile(pidfile)
+        finally:
+            sweep(conf, str(sockets))
+            reaper.stdin.close()
+            reaper.wait(timeout=30)
+
+
+if __name__ == "__main__":  # the reaper: python -m tests.functional_tests.slurm_cluster <slurm.conf> <sockets>
+    sys.stdin.read()  # returns at EOF: the test process closed the pipe, or exited
+    sweep(sys.argv[1], sys.argv[2])
