@@ -256,7 +256,7 @@ def _assert_job_info(ckpt: Path, logs: str, attempts: int) -> None:
     assert f"restarts: in-job 0, in-process 0, requeue {attempts - 1}" in logs
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_time_limit_signal_saves_requeues_and_resumes(reference, submit):
     drill = submit("drill_time_limit")
     paused = _paused_ranks(drill)
@@ -271,7 +271,7 @@ def test_time_limit_signal_saves_requeues_and_resumes(reference, submit):
     _assert_preempted_resumed_identical(drill, reference)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_higher_priority_job_preempts_and_training_resumes(reference, submit, tmp_path):
     drill = submit("drill_priority")
     paused = _paused_ranks(drill)
