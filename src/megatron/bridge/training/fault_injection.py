@@ -271,7 +271,7 @@ class FaultRegistry:
         return fault
 
     def record(self, fault: Fault) -> None:
-        """``fault`` strikes now: append it to the ledger (when one is set), durably; once per attempt."""
+        """``fault`` is about to strike: no longer due in this attempt (unless ``always``); in the ledger, durably."""
         if not fault.always and fault in self._due:
             self._due.remove(fault)
         if not self.ledger:
