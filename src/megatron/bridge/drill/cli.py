@@ -129,7 +129,7 @@ def _train(
         *_ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}",
         f"--ft-rank-section-timeouts=setup:300,step:{args.step_timeout:g},checkpointing:120",
-        "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=10",
+        "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=30",
         "-m", ENTRY, *training_overrides(args, run, args.run_dir / "tensorboard" / label), *overrides,
         f"fault_injection.ledger={ledger}",
         *([f"fault_injection.faults={spec}"] if spec else []),
