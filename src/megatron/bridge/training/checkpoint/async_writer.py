@@ -36,10 +36,14 @@ def _manager_dies_with_parent(parent_pid: int) -> None:
     """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux).
 
     It ignores the usual preemption signals: Slurm signals every process of a job step, and a manager that died
-    on them would fail the very save the training process makes before it exits.
+    on them would fail the very save the training process makes before it exits. The writers' results
+    (torch.distributed.checkpoint's ``WriteResult``) pass through this process: their module is imported here, at
+    start-up, not while the first save's results are unpickled (seconds inside that save).
     """
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
+    import torch.distributed.checkpoint  # noqa: F401
+
     try:
         import ctypes
 
