@@ -3,10 +3,9 @@
 Two test runs on one machine must each get a cluster of their own, so nothing is shared between clusters but the
 installed programs and the node name: every cluster has its own ports (slurmctld, slurmd, slurmdbd, MariaDB, from
 :func:`tests.resources.free_port`), its own munged (socket, key, pid, seed and log files; the daemons, clients and
-jobs find it through ``AuthInfo=socket=...``, connections to slurmdbd through
-``AccountingStoragePass``), its own MariaDB data directory and socket, cluster name, state,
-spool, pid and log files. ``NodeName`` must be the host name; two slurmd with that name coexist because each answers
-only its own controller, on its own port.
+jobs find it through ``AuthInfo=socket=...``, connections to slurmdbd through ``AccountingStoragePass``), its own
+MariaDB data and temporary directories and socket, cluster name, state, spool, pid and log files. ``NodeName`` must
+be the host name; two slurmd with that name coexist because each answers only its own controller, on its own port.
 
 :func:`slurm_cluster` starts the daemons, waits until the node is idle, yields the environment jobs and clients need
 (``SLURM_CONF``), and stops them in the order that does not leave ``slurmstepd`` retrying RPCs: jobs, slurmd,
@@ -75,9 +74,11 @@ def _wait(predicate, timeout: float, what: str, log: Path | None = None) -> None
 
 
 def _run(*cmd: str, env: dict | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, env=env, capture_output=True, text=True, check=check, stdin=subprocess.DEVNULL, timeout=timeout
-    )
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+    if check and done.returncode != 0:
+        output = (done.stdout + done.stderr)[-4000:]
+        raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}:\n{output}")
+    return done
 
 
 def _kill_pidfile(path: Path, timeout: float = 20) -> None:
@@ -190,14 +191,17 @@ def _start_munged(sockets: Path, root: Path, env: dict) -> Path:
 
 
 def _start_mariadb(sockets: Path, root: Path, port: int, env: dict) -> Path:
-    """A MariaDB server on its own data directory, socket and TCP port (127.0.0.1), with slurmdbd's user."""
+    """A MariaDB server on its own data directory, temporary directory (servers sharing one collide on the names of
+    temporary tables), socket and TCP port (127.0.0.1), with slurmdbd's user."""
     db, sock, log, pid = root / "db", sockets / "mariadb.sock", root / "mariadb.log", root / "mariadb.pid"
+    tmp = root / "dbtmp"
+    tmp.mkdir(exist_ok=True)
     _run(
-        _which("mariadb-install-db"), "--no-defaults", f"--datadir={db}", "--user=root", "--skip-test-db",
-        "--auth-root-authentication-method=normal", env=env, timeout=120,
+        _which("mariadb-install-db"), "--no-defaults", f"--datadir={db}", f"--tmpdir={tmp}", "--user=root",
+        "--skip-test-db", "--auth-root-authentication-method=normal", env=env, timeout=120,
     )  # fmt: skip
     subprocess.Popen(
-        [_which("mariadbd"), "--no-defaults", f"--datadir={db}", "--user=root", f"--port={port}",
+        [_which("mariadbd"), "--no-defaults", f"--datadir={db}", f"--tmpdir={tmp}", "--user=root", f"--port={port}",
          "--bind-address=127.0.0.1", f"--socket={sock}", f"--pid-file={pid}", f"--log-error={log}",
          "--skip-log-bin", "--innodb-buffer-pool-size=16M"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
