@@ -28,7 +28,7 @@ from typing import Any, Optional
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import Fault
-from megatron.bridge.utils.fs import atomic_write_json
+from megatron.bridge.utils.fs import atomic_write, atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,7 @@ class FaultTolerance:
         terminal = code in (ExitCode.FINISHED, ExitCode.RERUN_FAILED_VALIDATION)
         flag = os.environ.get("FAULT_TOL_FINISHED_FLAG_FILE")
         if terminal and flag and self.rank == 0:
-            with open(flag, "w") as f:
-                f.write(f"training ended with exit code {int(code)} ({code.name})\n")
+            atomic_write(flag, f"training ended with exit code {int(code)} ({code.name})\n")
             logger.info("[FaultTolerance] wrote %s: the job will not be requeued", flag)
         if code == ExitCode.RERUN_FAILED_VALIDATION and self._client is not None and not self._monitor_lost:
             from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction, WorkloadControlRequest

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Optional
 
+from megatron.bridge.utils.fs import atomic_write
+
 logger = logging.getLogger(__name__)
 
 SUMMARY = "summary.txt"
@@ -221,8 +223,7 @@ def summarize_earlier_attempts(directory: str, current: str) -> list[str]:
         if silent:
             line += f"; no stack from {', '.join(silent)} (stopped, killed before the dump, or not hung)"
         line += f" — stacks in {folder}"
-        with open(os.path.join(folder, SUMMARY), "w") as f:
-            f.write(line + "\n")
+        atomic_write(os.path.join(folder, SUMMARY), line + "\n", durable=False)  # whole or absent: it marks done
         logger.warning("%s", line)
         lines.append(line)
     return lines
