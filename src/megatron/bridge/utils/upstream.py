@@ -4,15 +4,17 @@ An upgrade of an upstream package may rename or drop a private name without noti
 would fail with a bare ``AttributeError``; where we override or patch one, nothing fails at all: upstream stops
 calling our code and the fix it carried silently disappears. So each such name is listed here once
 (:data:`SYMBOLS`), with what we do with it and the package release it was checked against
-(:data:`CHECKED_AGAINST`), and code elsewhere reaches it only through this module: :func:`get` (raises
-:class:`UpstreamChanged` naming the symbol and both releases), :func:`find` (``None`` instead, for the CPU shims,
-which skip what is gone), :func:`patch`, :func:`bound` (a listed method of an upstream object), :func:`base_class`
-(an upstream class to subclass; warns when a method the subclass overrides is gone).
+(:data:`CHECKED_AGAINST`). Code elsewhere reaches an underscore name only through this module: :func:`get`
+(raises :class:`UpstreamChanged` naming the symbol and both releases), :func:`find` (``None`` instead, for the CPU
+shims, which skip what is gone), :func:`patch`, :func:`bound` (a listed method of an upstream object),
+:func:`base_class` (an upstream class to subclass; warns when a method the subclass overrides is gone). The other
+entries are undocumented parts of upstream objects (the re-run state machine's state, module-level ``torch``
+names the CPU shims swap): they are used where they are needed and listed here so that they are checked too.
 ``tests/unit_tests/utils/test_upstream.py`` resolves every entry and fails, naming each missing symbol, after an
-upgrade that removed one.
+upgrade that removed one, and fails when a source file uses another module's underscore name directly.
 
-Names used through public API are not listed; neither are attributes of upstream objects that are documented
-behaviour. nvidia-resiliency-ext 0.6 moved the straggler package: such entries list the newer module too.
+Names used through public API are not listed. nvidia-resiliency-ext 0.6 moved the straggler package: such entries
+list the newer module too (tried first).
 """
 
 import importlib
