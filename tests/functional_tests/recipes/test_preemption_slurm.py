@@ -211,12 +211,22 @@ def _finish(drill: Drill, timeout: float) -> str:
     return drill.driver_output()
 
 
-def _states(drill: Drill, timeout: float = 300) -> list[str]:
-    """Wait until the drill's job left the queue for good; return its states, one per attempt, oldest first."""
-    _wait_until(lambda: not _squeue(drill), timeout, "the job to finish", lambda: drill.logs()[-3000:])
+def _sacct_states(drill: Drill) -> list[str]:
     sacct = ["sacct", "-n", "-X", "-D", "-j", drill.job, "-o", "JobID,State"]
     rows = subprocess.run(sacct, env=drill.env, capture_output=True, text=True, check=True).stdout.splitlines()
     return [row.split()[1] for row in rows if row.strip()]
+
+
+def _states(drill: Drill, timeout: float = 300) -> list[str]:
+    """Wait until the drill's job left the queue for good and the accounting has its end (it lags behind the
+    controller); return its states, one per attempt, oldest first."""
+
+    def ended() -> bool:
+        states = [] if _squeue(drill) else _sacct_states(drill)
+        return bool(states) and states[-1] not in ("PENDING", "RUNNING", "REQUEUED")
+
+    _wait_until(ended, timeout, "the job to finish", lambda: f"{_sacct_states(drill)}\n{drill.logs()[-3000:]}")
+    return _sacct_states(drill)
 
 
 def _assert_preempted_resumed_identical(drill: Drill, reference: Callable[[], Path]) -> None:
