@@ -6,8 +6,9 @@
 #
 # Extra arguments go to pytest. The functional tier (real 2-rank runs on CPU with gloo, real Slurm) runs on
 # PYTEST_WORKERS parallel workers (default 3: most drills wait on timeouts, signals and restarts rather than compute);
-# the drills that share one Slurm cluster run on one worker. Each run gets its own temporary directory, so two runs
-# on one machine do not collide; it is removed when the run passes. Every test has a time limit (tests/conftest.py).
+# a module's tests run on one worker (its module-scoped set-up, such as the Slurm cluster, is made once). Each run
+# gets its own temporary directory, so two runs on one machine do not collide; it is removed when the run passes.
+# Every test has a time limit (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,7 +46,7 @@ echo "[tests] unit tier took $(( $(date +%s) - start )) s"
 if [ "$fast" = 0 ]; then
   func_start=$(date +%s)
   echo "[tests] functional tier on ${PYTEST_WORKERS:-3} workers"
-  run functional tests -m functional -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadgroup "$@"
+  run functional tests -m functional -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadscope "$@"
   echo "[tests] functional tier took $(( $(date +%s) - func_start )) s"
 fi
 echo "[tests] pytest took $(( $(date +%s) - start )) s in all"

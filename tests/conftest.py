@@ -3,9 +3,9 @@
 - Tiers: everything under ``tests/functional_tests/`` carries the ``functional`` marker (real multi-process runs),
   as does a test elsewhere that is marked so; the rest is the unit tier (``pytest -m "not functional"``, our own
   logic, mocks allowed).
-- Parallel workers (pytest-xdist, ``--dist loadgroup``): the tests that share a module-scoped fixture (a Slurm
-  cluster, a drill's run) are one group, run by one worker, so the fixture is made once; session-wide shared runs
-  are made once per run across workers (``tests/resources.once_per_run``).
+- Parallel workers (pytest-xdist, ``--dist loadscope``): a module's tests run on one worker, so a module-scoped
+  fixture (a drill's run, the Slurm cluster of the Slurm drills) is made once; the session-wide shared runs are made
+  once per run across workers (``tests/resources.once_per_run``).
 - Time limits (pytest-timeout): ``UNIT_TIMEOUT`` seconds for a unit test, ``FUNCTIONAL_TIMEOUT`` for a functional
   one, unless the test sets its own ``@pytest.mark.timeout``. The limit covers set-up, so a shared fixture that
   trains a reference run counts against the first test that asks for it.
@@ -25,7 +25,6 @@ FUNCTIONAL_TIMEOUT = 600
 _FUNCTIONAL_DIR = os.path.join(os.path.dirname(__file__), "functional_tests")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         functional = item.get_closest_marker("functional") is not None
@@ -34,16 +33,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             functional = True
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(FUNCTIONAL_TIMEOUT if functional else UNIT_TIMEOUT))
-        if item.get_closest_marker("xdist_group") is None and _uses_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-def _uses_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` needs a module-scoped fixture: then its module's tests share one worker (made once)."""
-    info = getattr(item, "_fixtureinfo", None)  # pytest's per-item fixture closure (not public API)
-    if info is None:
-        return False
-    return any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values() if defs)
 
 
 @pytest.hookimpl(hookwrapper=True)

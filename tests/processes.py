@@ -38,6 +38,15 @@ def tagged(key: str, value: str) -> list[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _describe(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -89,19 +89,10 @@ def _kill_pidfile(path: Path, timeout: float = 20) -> None:
     except (OSError, ValueError, IndexError):  # no pid file, or the daemon is gone
         return
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and processes.alive(pid):
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (MariaDB is this process's child: once it exits it is a zombie until reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def sweep(conf: str, sockets: str) -> list[int]:

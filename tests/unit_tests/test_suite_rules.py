@@ -4,6 +4,8 @@ import os
 import time
 from pathlib import Path
 
+from tests import processes
+
 pytest_plugins = ["pytester"]
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,14 +31,6 @@ def test_quick():
 '''
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_test_past_its_limit_fails_with_its_processes_stacks_and_leaves_none(pytester, tmp_path):
     pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
     pytester.makepyfile(test_stuck=_STUCK)
@@ -52,9 +46,9 @@ def test_a_test_past_its_limit_fails_with_its_processes_stacks_and_leaves_none(p
     assert "stuck_in_the_child" in out, out[-3000:]
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while processes.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), f"the stuck test's child {pid} outlived it"
+    assert not processes.alive(pid), f"the stuck test's child {pid} outlived it"
 
 
 def test_every_test_under_functional_tests_is_marked_functional_and_has_a_limit(pytester):

@@ -42,7 +42,7 @@ FAULTS = f"hang@{PAUSE_AT}:0,hang@{PAUSE_AT}:1"
 DRIVER = Path(__file__).with_name("slurm_driver.py")
 _SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 
-pytestmark = [pytest.mark.functional, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.functional
 
 
 @pytest.fixture(scope="module")
