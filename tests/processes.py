@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 TEST_ID = "MBRIDGE_TEST_ID"
 """Environment variable naming the test a process belongs to."""
@@ -82,15 +83,24 @@ def stacks(pids: list[int], timeout: float = 20.0) -> str:
     return "\n".join(blocks)
 
 
-def kill_tagged(key: str, value: str) -> list[int]:
-    """SIGKILL every live process tagged ``key=value`` (a stopped one too); return their PIDs."""
-    pids = tagged(key, value)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
+def kill_tagged(key: str, value: str, rounds: int = 20) -> list[int]:
+    """SIGKILL every live process tagged ``key=value`` (a stopped one too); return their PIDs.
+
+    Looks again after each round: a launcher killed late in a round may have started a new worker meanwhile.
+    """
+    killed: list[int] = []
+    for _ in range(rounds):
+        pids = [pid for pid in tagged(key, value) if alive(pid)]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed += [pid for pid in pids if pid not in killed]
+        time.sleep(0.05)
+    return killed
 
 
 def untracked_env(env: dict[str, str] | None = None) -> dict[str, str]:

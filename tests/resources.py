@@ -3,7 +3,7 @@
 A port "free a moment ago" (bind to port 0, close, hand the number out) is not enough when several pytest workers
 and several suites run side by side: another process can be handed the same number before the launcher binds it.
 :func:`free_port` instead reserves each port for the life of the process that asked: it takes an exclusive
-``flock`` on a lock file named after the port (under the system temporary directory, shared by every run on the
+``flock`` on a lock file named after the port (in one machine-wide directory, shared by every run on the
 machine) and keeps it until the process exits, so no other test process on the machine can be given that port
 meanwhile. Ports go out in blocks (a launch also listens on the ports just above its own), from a range below the
 kernel's ephemeral range, which the kernel never hands out on its own to a socket bound to port 0 or to an
@@ -14,13 +14,13 @@ each run its own ``--basetemp``, so runs do not share or clean up each other's d
 tests (and several pytest-xdist workers) share is made once per run with :func:`once_per_run`.
 """
 
+import contextlib
 import fcntl
 import os
 import pickle
 import random
 import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -30,7 +30,8 @@ PORT_RANGE = (20000, 32000)
 PORT_BLOCK = 4
 """Ports reserved together: a launch listens on its port and on the next ones (in-process restart's store is on
 ``MASTER_PORT + 2``)."""
-_LOCK_DIR = os.path.join(tempfile.gettempdir(), "mbridge-test-ports")
+_LOCK_DIR = "/tmp/mbridge-test-ports"
+"""Machine-wide, whatever ``TMPDIR`` a run sets: every test process on the machine must see the same locks."""
 T = TypeVar("T")
 _held: dict[int, int] = {}
 """First port of a block -> file descriptor of its lock, held until this process exits."""
@@ -49,13 +50,20 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 such that it and the next ``PORT_BLOCK - 1`` ports are given to no other test
     process on this machine while this one lives."""
     os.makedirs(_LOCK_DIR, exist_ok=True)
+    with contextlib.suppress(PermissionError):  # another user made it: they made it 0o777 too
+        os.chmod(_LOCK_DIR, 0o777)
     low, count = PORT_RANGE[0], (PORT_RANGE[1] - PORT_RANGE[0]) // PORT_BLOCK
     first = random.randrange(count)
     for offset in range(count):
         port = low + (first + offset) % count * PORT_BLOCK
         if port in _held:
             continue
-        fd = os.open(os.path.join(_LOCK_DIR, f"{port}.lock"), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fd = os.open(os.path.join(_LOCK_DIR, f"{port}.lock"), os.O_CREAT | os.O_RDWR, 0o666)
+        except PermissionError:  # another user's lock file: that user's tests use the block
+            continue
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, 0o666)  # past the umask, so another user's runs can lock it too
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another test process holds it
