@@ -8,6 +8,7 @@ replacement agent joins the job, as a spare node would.
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -95,12 +96,26 @@ def two_node_reference(tmp_path_factory) -> tuple[Run, Path]:
     root = tmp_path_factory.mktemp("two_node_reference")
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     a = _agent(endpoint, run_id, root / "ckpt", root / "node_a", root / "a.log")
-    time.sleep(3)
+    _wait_until_hosting(a, endpoint)
     b = _agent(endpoint, run_id, root / "ckpt", root / "node_b", root / "b.log")
     codes = [a.wait(timeout=300), b.wait(timeout=60)]
     output = a.output() + b.output()
     assert codes == [0, 0], output[-6000:]
     return Run(0, output), root / "ckpt"
+
+
+def _wait_until_hosting(agent: Job, endpoint: str, timeout: float = 120) -> None:
+    """Wait until ``agent`` listens on the rendezvous ``endpoint`` (it hosts the store), not for a fixed time."""
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert agent.proc.poll() is None, f"agent exited ({agent.proc.returncode}):\n{agent.output()[-3000:]}"
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"no rendezvous store on {endpoint} within {timeout} s"
+            time.sleep(0.2)
 
 
 def _wait_for_files(pattern: str, roots: list[Path], count: int, timeout: float = 60) -> None:
@@ -118,7 +133,7 @@ def _lose_a_node(tmp_path: Path, damage_replica: bool, extra: tuple = ()) -> tup
     a = _agent(endpoint, run_id, ckpt, node_a, tmp_path / "a.log", extra=extra)
     agents = [a]
     try:
-        time.sleep(3)  # node A hosts the rendezvous store: it must outlive node B
+        _wait_until_hosting(a, endpoint)  # node A hosts the rendezvous store: it must outlive node B
         stall = f"stall@{STRIKE}:0,stall@{STRIKE}:1"
         b = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b.log", faults=stall, extra=extra)
         agents.append(b)
