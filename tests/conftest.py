@@ -22,13 +22,13 @@ from tests import processes
 
 UNIT_TIMEOUT = 60
 FUNCTIONAL_TIMEOUT = 600
-_FUNCTIONAL_DIR = os.path.join(os.path.dirname(__file__), "functional_tests")
+_FUNCTIONAL_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "functional_tests")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         functional = item.get_closest_marker("functional") is not None
-        if not functional and str(item.path).startswith(_FUNCTIONAL_DIR + os.sep):
+        if not functional and os.path.realpath(item.path).startswith(_FUNCTIONAL_DIR + os.sep):
             item.add_marker(pytest.mark.functional)
             functional = True
         if item.get_closest_marker("timeout") is None:

@@ -192,7 +192,7 @@ class FaultToleranceConfig:
     simulated_fault_rank: Optional[int] = None
     """Rank to fault; ``None`` picks one at random."""
     simulated_fault_base_delay: float = 0
-    """Seconds after setup before the simulated fault strikes."""
+    """Seconds after the rank starts training (its first iteration) before the simulated fault strikes."""
 
 
 @dataclass
