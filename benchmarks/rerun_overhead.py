@@ -37,9 +37,10 @@ def _time_mode(cfg: RerunStateMachineConfig, steps: int) -> float:
     from megatron.core import rerun_state_machine as upstream
 
     from megatron.bridge.training.rerun import RerunController, build_rerun_state_machine, validate_loss
+    from megatron.bridge.utils import upstream as compat
 
     upstream.destroy_rerun_state_machine()
-    upstream._set_rerun_state_machine(build_rerun_state_machine(cfg))
+    compat.set_rerun_state_machine(build_rerun_state_machine(cfg))
     controller = RerunController(cfg, save_dir=None)
     data = controller.wrap_data_iterator(iter(()))
     loss = torch.tensor(2.5)

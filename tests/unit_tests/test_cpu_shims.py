@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.bridge.utils import cpu_shims
+from megatron.bridge.utils import cpu_shims, upstream
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="shims are for machines without CUDA")
@@ -11,14 +11,13 @@ def test_shims_answer_cuda_queries_on_cpu():
     cpu_shims.apply_cpu_shims()
     cpu_shims.apply_cpu_shims()  # idempotent
     import megatron.core.utils as mcore_utils
-    from megatron.core.tensor_parallel import random as mcore_random
 
     assert mcore_utils.torch.cuda.current_device() == torch.device("cpu")
     assert mcore_utils.torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.cuda.current_device.__module__ == "torch.cuda"  # the global torch is untouched
-    state = mcore_random._get_cuda_rng_state()
+    state = upstream.get("megatron.core.tensor_parallel.random:_get_cuda_rng_state")()
     a = torch.rand(3)
-    mcore_random._set_cuda_rng_state(state)
+    upstream.get("megatron.core.tensor_parallel.random:_set_cuda_rng_state")(state)
     assert torch.equal(a, torch.rand(3)), "the tracked state is the CPU generator's"
 
 

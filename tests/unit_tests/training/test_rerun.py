@@ -10,6 +10,7 @@ from megatron.core import rerun_state_machine as upstream
 from megatron.bridge.training.checkpoint import layout
 from megatron.bridge.training.config import RerunStateMachineConfig
 from megatron.bridge.training.rerun import ATTEMPTS_FILE, RerunController, build_rerun_state_machine
+from megatron.bridge.utils import upstream as compat
 
 
 @pytest.fixture
@@ -17,7 +18,7 @@ def machine():
     """A validate_results machine installed as the process's singleton (removed afterwards)."""
     upstream.destroy_rerun_state_machine()
     m = build_rerun_state_machine(RerunStateMachineConfig(rerun_mode="validate_results", error_injection_rate=7))
-    upstream._set_rerun_state_machine(m)
+    compat.set_rerun_state_machine(m)
     yield m
     upstream.destroy_rerun_state_machine()
 
@@ -36,7 +37,7 @@ def test_exported_state_is_plain_and_restores_what_the_rerun_needs(machine, tmp_
 
     upstream.destroy_rerun_state_machine()
     fresh = build_rerun_state_machine(RerunStateMachineConfig(rerun_mode="validate_results"))
-    upstream._set_rerun_state_machine(fresh)
+    compat.set_rerun_state_machine(fresh)
     controller.import_state(saved)
     assert fresh.state == upstream.RerunState.WILL_RERUN_FROM_CHECKPOINT
     assert fresh.current_iteration == 5 and fresh.checkpoint_requested and not fresh.rerun_requested

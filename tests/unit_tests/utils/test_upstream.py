@@ -2,6 +2,7 @@
 
 import ast
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,23 @@ def test_private_upstream_names_are_reached_only_through_the_compat_module():
         "private names of another module used outside utils/upstream.py (list them in upstream.SYMBOLS and reach "
         "them through upstream.get/patch/bound):\n" + "\n".join(found)
     )
+
+
+def test_tests_and_benchmarks_reach_the_listed_private_names_only_through_the_compat_module():
+    # Private names of upstream's that we read, call or patch (an "override" is our own method: tests may call it).
+    listed = {
+        name
+        for symbol in upstream.SYMBOLS
+        if symbol.use != "override" and (name := symbol.attr.split(".")[-1]).startswith("_")
+    }
+    pattern = re.compile(r"\.(" + "|".join(sorted(map(re.escape, listed))) + r")\b")
+    repo = SRC.parents[2]
+    found = [
+        f"{path.relative_to(repo)}:{number} {line.strip()}"
+        for root in (repo / "tests", repo / "benchmarks")
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "test_upstream.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not found, "use upstream.get/patch/bound (or its public helpers) for:\n" + "\n".join(found)
