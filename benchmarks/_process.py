@@ -2,6 +2,14 @@
 
 import os
 import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/resources.py
+# Ports reserved like the tests': a benchmark beside a test run never takes one of its ports.
+from tests.resources import free_port  # noqa: E402
+
+__all__ = ["free_port", "kill_tree"]
 
 
 def kill_tree(pid: int) -> None:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _process import kill_tree
+from _process import free_port, kill_tree
 from _result import emit_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,12 +83,12 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
-        _run(_ft_cmd(ckpt, 29811, "train.train_iters=20"), None, 300)  # learns the timeouts into ft_state.json
-        ft_log, _ = _run(_ft_cmd(ckpt, 29812, "train.train_iters=60"), "hang@30:1", 300)
+        _run(_ft_cmd(ckpt, free_port(), "train.train_iters=20"), None, 300)  # learns the timeouts into ft_state.json
+        ft_log, _ = _run(_ft_cmd(ckpt, free_port(), "train.train_iters=60"), "hang@30:1", 300)
         ft = _measure(ft_log, r".*Section 'step' has been open")
         base_ckpt = Path(tmp) / "base"
         shutil.copytree(ckpt, base_ckpt, dirs_exist_ok=True)
-        base_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29813",
+        base_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                     "--max-restarts=1", ENTRY, f"checkpoint.save={base_ckpt}", f"checkpoint.load={base_ckpt}",
                     "checkpoint.save_interval=5", "train.train_iters=100"]  # fmt: skip
         base_log, finished = _run(base_cmd, "hang@70:1", args.cap + 30)

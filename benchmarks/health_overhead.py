@@ -15,7 +15,6 @@ Printed as microseconds per call and as a share of a ``--step-ms`` step (the pin
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -23,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _process import free_port
 from _result import emit_result
 
 from megatron.bridge.training.config import HealthConfig
@@ -74,9 +74,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=100.0)
     parser.add_argument("--interval", type=int, default=10, help="steps between pings")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(port, args.calls, tmp, out), nprocs=2)

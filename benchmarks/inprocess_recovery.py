@@ -16,13 +16,13 @@ import datetime as dt
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from _process import free_port
 from _result import emit_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,12 +30,6 @@ ENTRY = str(REPO / "examples" / "pretrain_tiny_gpt.py")
 _TS = r"\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]?"
 ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
 COMMON = ["train.train_iters=30", "checkpoint.save_interval=10", "logger.log_interval=1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _times(pattern: str, log: str) -> list[dt.datetime]:
@@ -74,10 +68,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             torchrun = [sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2"]
-            in_process = [*torchrun, f"--master-port={_free_port()}"]
+            in_process = [*torchrun, f"--master-port={free_port()}"]
             in_job = [
                 str(bin_dir / "ft_launcher"), "--nproc-per-node=2", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--max-restarts=1",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=1",
             ]  # fmt: skip
             results["in-process"].append(_recovery_seconds(in_process, ipr, Path(tmp) / "ipr"))
             results["in-job"].append(_recovery_seconds(in_job, [], Path(tmp) / "injob"))

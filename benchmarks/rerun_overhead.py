@@ -13,13 +13,13 @@ also waits for the step's kernels, which the optimizer's gradient-norm read does
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _process import free_port
 from _result import emit_result
 
 from megatron.bridge.training.config import RerunStateMachineConfig
@@ -102,9 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--step-ms", type=float, default=100.0)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(port, args.steps, out), nprocs=2)
     base = out["checks off (baseline)"]

@@ -21,13 +21,13 @@ the ranks' skew, which the next gradient all-reduce would otherwise wait for.
 import argparse
 import logging
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _process import free_port
 from _result import emit_result
 
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
@@ -114,9 +114,7 @@ def main() -> None:
     parser.add_argument("--report-interval", type=float, default=2.0, help="nvrx_straggler.report_time_interval")
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(rank, port, args, results)) for rank in range(2)]
