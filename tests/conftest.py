@@ -44,29 +44,38 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     try:
         yield
     finally:
-        leftovers = processes.kill_tagged(processes.TEST_ID, test_id)
+        processes.kill_tagged(processes.TEST_ID, test_id)  # a backstop: the teardown report normally did it
         if previous is None:
             os.environ.pop(processes.TEST_ID, None)
         else:
             os.environ[processes.TEST_ID] = previous
-        if leftovers:
-            item.config.stash.setdefault(_LEFTOVERS, []).append((item.nodeid, leftovers))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    if report.failed and _TEST_ID in item.stash:
-        alive = processes.tagged(processes.TEST_ID, item.stash[_TEST_ID])
+    if _TEST_ID not in item.stash:
+        return
+    test_id = item.stash[_TEST_ID]
+    if report.failed:
+        alive = processes.tagged(processes.TEST_ID, test_id)
         if alive:
             report.sections.append((f"stacks of the {len(alive)} processes still alive", processes.stacks(alive)))
+    if call.when == "teardown":  # the test and its fixtures are done: nothing of it may live on
+        leftovers = processes.kill_tagged(processes.TEST_ID, test_id)
+        if leftovers:
+            report.sections.append((_LEFTOVERS, f"killed {len(leftovers)}: {leftovers}"))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    for nodeid, pids in config.stash.get(_LEFTOVERS, []):
-        terminalreporter.write_line(f"[processes] killed {len(pids)} left behind by {nodeid}: {pids}")
+    """Name the tests that left processes behind (reports carry it, so it works from pytest-xdist workers too)."""
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for title, text in getattr(report, "sections", []):
+                if title == _LEFTOVERS:
+                    terminalreporter.write_line(f"[processes] {report.nodeid} left processes behind: {text}")
 
 
 _TEST_ID = pytest.StashKey[str]()
-_LEFTOVERS = pytest.StashKey[list]()
+_LEFTOVERS = "processes left behind"

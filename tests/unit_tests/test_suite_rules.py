@@ -28,6 +28,9 @@ def test_stuck(tmp_path):
 
 def test_quick():
     pass
+
+def test_leaves_one_behind():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 '''
 
 
@@ -39,11 +42,12 @@ def test_a_test_past_its_limit_fails_with_its_processes_stacks_and_leaves_none(p
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", timeout=120)
-    result.assert_outcomes(failed=1, passed=1)
+    result.assert_outcomes(failed=1, passed=2)
     out = result.stdout.str()
     assert "Timeout (>4.0s) from pytest-timeout" in out, out[-3000:]
     assert "stacks of the 1 processes still alive" in out, out[-3000:]
     assert "stuck_in_the_child" in out, out[-3000:]
+    assert "[processes] test_stuck.py::test_leaves_one_behind left processes behind: killed 1" in out, out[-3000:]
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while processes.alive(pid) and time.monotonic() < deadline:
