@@ -6,7 +6,8 @@
 #
 # Extra arguments go to pytest. The functional tier (real 2-rank runs on CPU with gloo, real Slurm) runs on
 # PYTEST_WORKERS parallel workers (default 3: most drills wait on timeouts, signals and restarts rather than compute);
-# a module's tests run on one worker (its module-scoped set-up, such as the Slurm cluster, is made once). Each run
+# a module's tests run on one worker (its module-scoped set-up, such as the Slurm cluster, is made once); drills
+# marked serial (straggler scores compare the ranks' CPU time) run alone afterwards. Each run
 # gets its own temporary directory, so two runs on one machine do not collide; it is removed when the run passes.
 # Every test has a time limit (tests/conftest.py).
 set -euo pipefail
@@ -43,7 +44,9 @@ echo "[tests] unit tier took $(( $(date +%s) - start )) s"
 if [ "$fast" = 0 ]; then
   func_start=$(date +%s)
   echo "[tests] functional tier on ${PYTEST_WORKERS:-3} workers"
-  run functional tests -m functional -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadscope "$@"
+  run functional tests -m "functional and not serial" -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadscope "$@"
+  echo "[tests] functional drills that must run alone (they judge ranks by their CPU time)"
+  run serial tests -m "functional and serial" -v --durations=5 -p no:xdist "$@"
   echo "[tests] functional tier took $(( $(date +%s) - func_start )) s"
 fi
 echo "[tests] pytest took $(( $(date +%s) - start )) s in all"

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 from tests.functional_tests.harness import Run, assert_same_state, checkpoint_state, tail, torchrun
 
+# Scores compare the ranks' step times: other drills on the same 2 cores load one rank's core more than the other's
+# (a healthy rank scored 0.54 beside two other test runs), so these run alone, after the parallel ones.
+pytestmark = pytest.mark.serial
+
 STRAGGLER = [
     "train.train_iters=150",
     "checkpoint.save_interval=150",  # no save inside a scored window: rank 0's share of a commit slowed it to 0.68 once
@@ -21,12 +25,15 @@ STRAGGLER = [
     "model.hidden_size=128",
     "model.seq_length=128",
 ]
-# Healthy runs are judged at 0.6, between the lowest healthy score seen in CI on a busy 2-core machine (0.68, always
-# rank 0, which also logs and writes TensorBoard) and the highest score of a rank slowed 2x (0.59); the slowed run
-# keeps the default 0.7.
+# Healthy runs are judged on the relative score (ranks against each other) at 0.6, between the lowest healthy score
+# seen in CI on a busy 2-core machine (0.68, always rank 0, which also logs and writes TensorBoard) and the highest
+# score of a rank slowed 2x (0.59). The individual score (a rank against its own past) is reported but flags only a
+# near-stopped rank here (0.05): on a shared CPU machine it follows the machine's load, and a healthy rank fell to
+# 0.55 when another test run started beside it (the drill turns it off for the same reason). The slowed run keeps the
+# default 0.7 for both.
 HEALTHY_THRESHOLDS = [
     "nvrx_straggler.gpu_relative_perf_threshold=0.6",
-    "nvrx_straggler.gpu_individual_perf_threshold=0.6",
+    "nvrx_straggler.gpu_individual_perf_threshold=0.05",
 ]
 _REPORT_RE = re.compile(r"Straggler report at iteration (\d+) \(scores from ([^)]*)\):\n((?:.*\n)*?)Straggler report")
 _SCORE_RE = re.compile(r"Rank=(\d+) Node=\S+ Score=(\S+)")
@@ -66,7 +73,8 @@ def test_no_rank_is_flagged_without_a_straggler(healthy):
         assert set(blocks) == {"GPU relative performance", "GPU individual performance"}
         for title, scores in blocks.items():
             assert set(scores) == {0, 1}, (iteration, title)
-            assert all(0.6 <= s <= 1.0 for s in scores.values()), (iteration, title, scores)
+            low = 0.6 if title == "GPU relative performance" else 0.05  # see HEALTHY_THRESHOLDS
+            assert all(low <= s <= 1.0 for s in scores.values()), (iteration, title, scores)
     assert "Straggler detected" not in run.output
     assert re.search(r"Straggler report processing time: \d+\.\d{3} sec\.", run.output)
 
