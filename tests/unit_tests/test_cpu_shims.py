@@ -29,3 +29,21 @@ def test_nothing_is_patched_when_cuda_is_present(monkeypatch):
     cpu_shims.apply_cpu_shims()
     assert called == []
     assert cpu_shims.use_persistent_async_worker() is True
+
+
+def test_jit_fuser_shim_keeps_torch_compile_out_of_megatron_core_imports():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from megatron.bridge.utils import cpu_shims\n"
+        "cpu_shims._shim_jit_fuser()\n"
+        "import megatron.core, megatron.core.jit as jit\n"
+        "import megatron.core.fusions.fused_bias_gelu as fused\n"
+        "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch.compile ran at import'\n"
+        "assert not hasattr(fused.bias_gelu, '_torchdynamo_orig_callable')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -176,7 +176,7 @@ class CheckpointManager:
         self._saves = 0
         if cfg.save is not None:
             on_rank0(lambda: layout.recover(cfg.save), "recovering the save directory")  # what a crash left
-            async_writer.install_results_queue()  # start the writers' helper process now, not inside the first save
+            async_writer.install_results_queue()
         if cfg.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 

@@ -30,7 +30,10 @@ Note:
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +131,38 @@ def _install_torch_view(module_name: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Individual shims (each idempotent). _SHIMS maps a name to each, in application order.
 # --------------------------------------------------------------------------------------------
+
+
+class _AfterFirstImport(importlib.abc.MetaPathFinder):
+    """A one-shot import hook: runs ``then(module)`` right after module ``name`` first executes."""
+
+    def __init__(self, name: str, then: Callable[[types.ModuleType], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            execute(module)
+            self.then(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _shim_jit_fuser() -> None:
+    # megatron-core wraps ~40 fused ops in torch.compile at import: ~2 s per process, for kernels CPU runs never use.
+    jit = "megatron.core.jit"
+    if jit in sys.modules:
+        sys.modules[jit].disable_jit_fuser()  # too late for what is imported; later imports still skip it
+    else:
+        sys.meta_path.insert(0, _AfterFirstImport(jit, lambda module: module.disable_jit_fuser()))
 
 
 def _shim_global_memory_buffer() -> None:
@@ -313,6 +348,7 @@ def _shim_local_checkpointing() -> None:
 
 
 _SHIMS: dict[str, Callable[[], None]] = {
+    "jit_fuser": _shim_jit_fuser,  # first: the other shims import megatron.core
     "global_memory_buffer": _shim_global_memory_buffer,
     "rng_tracker": _shim_rng_tracker,
     "grad_buffer": _shim_grad_buffer,

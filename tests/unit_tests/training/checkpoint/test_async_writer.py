@@ -37,3 +37,37 @@ def test_a_long_running_writer_reports_itself_with_its_stack(monkeypatch, caplog
         reporter.join()
     assert "async checkpoint writer of iteration 42 (rank 1" in caplog.text
     assert "_report_while_running" in capfd.readouterr().err
+
+
+def test_results_queue_passes_results_from_a_forked_writer_oldest_first(tmp_path):
+    import multiprocessing
+    import queue
+
+    import pytest
+
+    results = async_writer.FileResultsQueue(str(tmp_path))
+    assert results.empty()
+    with pytest.raises(queue.Empty):
+        results.get_nowait()
+    writer = multiprocessing.get_context("fork").Process(target=results.put, args=({0: ["bucket 0 results"]},))
+    writer.start()
+    writer.join(timeout=30)
+    assert writer.exitcode == 0
+    results.put(RuntimeError("second save failed"))
+    assert results.get_nowait() == {0: ["bucket 0 results"]}
+    assert isinstance(results.get_nowait(), RuntimeError)
+    assert results.empty() and list(tmp_path.iterdir()) == []
+
+
+def test_results_directories_of_dead_processes_are_removed(tmp_path):
+    import os
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    prefix = async_writer._RESULTS_DIR_PREFIX
+    (tmp_path / f"{prefix}{dead.pid}-abc").mkdir()
+    (tmp_path / f"{prefix}{os.getpid()}-def").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    async_writer._remove_results_of_dead_processes(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{prefix}{os.getpid()}-def", "unrelated"]

@@ -6,22 +6,23 @@ other (one fork per save instead of two levels), then hashes this rank's shard f
 that runs long reports it, and prints its stack, every :data:`REPORT_SECONDS`.
 """
 
+import atexit
 import faulthandler
 import functools
 import logging
-import multiprocessing
-import multiprocessing.managers
 import os
+import pickle
 import queue
-import signal
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from megatron.bridge.training.checkpoint import manifest
-from megatron.bridge.utils import upstream
+from megatron.bridge.utils import fs, upstream
 
 logger = logging.getLogger(__name__)
 
@@ -32,39 +33,70 @@ REPORT_SECONDS = 120.0
 """A background writer still running after this many seconds (and every as many after) logs it with its stack."""
 
 
-def _manager_dies_with_parent(parent_pid: int) -> None:
-    """Runs in the manager process: ask the kernel to SIGKILL it when the training process dies (Linux).
+class FileResultsQueue:
+    """The writers' results queue, as files in a private directory: ``put`` in a writer, ``get_nowait`` here.
 
-    It ignores the usual preemption signals: Slurm signals every process of a job step, and a manager that died
-    on them would fail the very save the training process makes before it exits. The writers' results
-    (torch.distributed.checkpoint's ``WriteResult``) pass through this process: their module is imported here, at
-    start-up, not while the first save's results are unpickled (seconds inside that save).
+    megatron-core passes write results from its forked writers back through a queue served by a spawned
+    ``multiprocessing`` manager process: 2-3 s to start on every rank at every (re)start, a process to leak when the
+    rank is SIGKILLed, and one that dies on the signals Slurm sends the whole job step. A writer here is a fork of
+    the training process, so a file is enough: each ``put`` writes one pickle atomically, each ``get_nowait`` takes
+    the oldest. Nothing can block (a pipe could fill up), and a writer killed before its ``put`` leaves nothing.
     """
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-    import torch.distributed.checkpoint  # noqa: F401
 
-    try:
-        import ctypes
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
+    def put(self, item: Any) -> None:
+        """Add ``item`` (picklable); called in a writer process."""
+        name = f"{time.time_ns():020d}-{os.getpid()}.pkl"
+        fs.atomic_write(os.path.join(self.directory, name), pickle.dumps(item), durable=False)
+
+    def get_nowait(self) -> Any:
+        """Remove and return the oldest item; ``queue.Empty`` if there is none."""
+        names = self._items()
+        if not names:
+            raise queue.Empty
+        path = os.path.join(self.directory, names[0])
+        with open(path, "rb") as f:
+            item = pickle.load(f)
+        os.remove(path)
+        return item
+
+    def empty(self) -> bool:
+        """Whether no item is waiting."""
+        return not self._items()
+
+    def _items(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.directory) if n.endswith(".pkl") and not n.startswith("."))
+
+
+_RESULTS_DIR_PREFIX = "mbridge-write-results-"
 
 
 def install_results_queue() -> None:
-    """Give megatron-core's checkpoint writers a results queue whose manager process dies with this process.
+    """Give megatron-core's checkpoint writers a :class:`FileResultsQueue` (removed when this process exits).
 
-    Upstream creates it lazily with a plain ``multiprocessing`` manager, which outlives a SIGKILLed rank, keeps
-    its stdout open and leaks one process per rank at every in-job restart.
+    The directories of processes that died without exiting (SIGKILL) are removed here, by the next process.
     """
     if upstream.owner(_RESULTS_QUEUE) is None or upstream.get(_RESULTS_QUEUE) is not None:
         return  # an upstream without this queue (logged), or the queue is in place
-    sync_manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    sync_manager.start(initializer=_manager_dies_with_parent, initargs=(os.getpid(),))
-    upstream.patch(_RESULTS_QUEUE, sync_manager.Queue())
+    _remove_results_of_dead_processes(tempfile.gettempdir())
+    directory = tempfile.mkdtemp(prefix=f"{_RESULTS_DIR_PREFIX}{os.getpid()}-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    upstream.patch(_RESULTS_QUEUE, FileResultsQueue(directory))
+
+
+def _remove_results_of_dead_processes(parent: str) -> None:
+    for name in os.listdir(parent):
+        pid = name[len(_RESULTS_DIR_PREFIX) :].split("-")[0]
+        if not name.startswith(_RESULTS_DIR_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except OSError:
+            pass  # alive, owned by someone else
 
 
 def writer(write_fn: Callable[..., None], ckpt_dir: str, rank: int, iteration: int) -> Callable[..., None]:
