@@ -202,6 +202,28 @@ def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs():
     assert "no goodput summary" in lines[0] and "2.00x" in lines[1]
 
 
+def test_an_undetected_slow_rank_is_reported_with_the_scores_it_got():
+    from megatron.bridge.training import nvrx_straggler as straggler
+
+    def report_at(seconds: float, iteration: int, score: float) -> str:
+        block = straggler.ScoreBlock("GPU relative performance", "t", {0: 1.0, 1: score}, 0.3)
+        text = straggler.StragglerReport(iteration, straggler.WALL_TIME_SOURCE, [block], {0: "vm", 1: "vm"}).format(5)
+        return _w(seconds, 0, f"INFO megatron.bridge.training.nvrx_straggler: {text}")
+
+    log = "\n".join([report_at(1.0, 56, 1.0), _step(1.5, 60), report_at(3.0, 70, 0.92), report_at(5.0, 84, 0.41)])
+    timeline = events.parse_log(log)
+    assert [(it, scores) for _, it, scores in timeline.straggler_reports] == [
+        (56, {0: 1.0, 1: 1.0}),
+        (70, {0: 1.0, 1: 0.92}),
+        (84, {0: 1.0, 1: 0.41}),
+    ]
+    ledger = [{"kind": "slow", "iteration": 60, "rank": 1, "time": T0 + 1.5}]
+    found = events.outcomes(timeline, schedule.parse("slow@60:1:x6"), ledger)
+    table = report.fault_table(report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True))
+    assert "**not detected**" in table
+    assert "slow@60:1:x6: rank 1's relative scores in the straggler reports after it: it 70 0.92, it 84 0.41" in table
+
+
 def test_checkpoint_differences_name_what_differs():
     a = {"sharded.model.w": torch.ones(3), "common.train_state.iteration": 5}
     assert compare.differences(a, dict(a)) == []

@@ -20,6 +20,8 @@ _RESUMED = re.compile(
     r"|\[rank0\] .*(training starts at iteration 0)"
 )
 _LOCAL_REJECTED = re.compile(r"local checkpoint at iteration (\d+) failed verification")
+_STRAGGLER_REPORT = re.compile(r"\[rank0\] INFO \S+: Straggler report at iteration (\d+) ")
+_SCORE = re.compile(r"^Rank=(\d+) Node=\S+ Score=([\d.]+|nan)$")
 _SLACK = 0.001
 """Log timestamps are cut to the millisecond: a line stamped up to 1 ms before a ledger time may follow it."""
 
@@ -78,6 +80,8 @@ class Timeline:
     """When the launcher decided to restart the workers."""
     resumes: list[tuple[float, int]] = field(default_factory=list)
     """(time, iteration) of every start's checkpoint load (0: started from scratch)."""
+    straggler_reports: list[tuple[float, int, dict[int, float]]] = field(default_factory=list)
+    """(time, iteration, rank -> relative score) of every straggler report rank 0 logged."""
     lines: list[Line] = field(default_factory=list)
     start: Optional[float] = None
     end: Optional[float] = None
@@ -86,17 +90,24 @@ class Timeline:
 def parse_log(text: str) -> Timeline:
     """Parse a drill's log (training processes and launcher, interleaved)."""
     timeline = Timeline()
+    block = ""  # the score block of the straggler report being read ("" outside a report)
     for raw in text.splitlines():
         found = _WORKER_TIME.match(raw) or _LAUNCHER_TIME.match(raw)
         if found is None:
+            block = _read_report_line(raw, block, timeline)
             continue
+        block = ""
         line = Line(_stamp(found.group(1)), raw)
         timeline.lines.append(line)
         timeline.start = line.time if timeline.start is None else min(timeline.start, line.time)
         timeline.end = line.time if timeline.end is None else max(timeline.end, line.time)
         step = _STEP.search(raw)
+        report = _STRAGGLER_REPORT.search(raw)
         if step is not None:
             timeline.steps.append((line.time, int(step.group(1)), float(step.group(2))))
+        elif report is not None:
+            timeline.straggler_reports.append((line.time, int(report.group(1)), {}))
+            block = "report"
         elif _RESTART.search(raw):
             timeline.restarts.append(line.time)
         else:
@@ -104,6 +115,18 @@ def parse_log(text: str) -> Timeline:
             if resumed is not None:
                 timeline.resumes.append((line.time, int(resumed.group(1) or 0)))
     return timeline
+
+
+def _read_report_line(raw: str, block: str, timeline: Timeline) -> str:
+    """One untimestamped line of a straggler report: keep the relative scores; return the block it is in."""
+    if not block:
+        return ""
+    if raw.endswith("performance:"):
+        return raw
+    score = _SCORE.match(raw.strip())
+    if score is not None and block == "GPU relative performance:":
+        timeline.straggler_reports[-1][2][int(score.group(1))] = float(score.group(2))
+    return block
 
 
 @dataclass

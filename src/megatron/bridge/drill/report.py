@@ -59,7 +59,25 @@ def fault_table(result: DrillResult) -> str:
             f"| {o.fault.label} | {struck} | {detected} | {_secs(o.detection_s)} | {recovered} "
             f"| {_secs(o.recovery_s)} | {resumed} | {lost} |"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + _undetected_stragglers(result))
+
+
+def _undetected_stragglers(result: DrillResult) -> list[str]:
+    """Why a slowed rank went unnoticed: the relative scores the straggler reports after it gave that rank."""
+    lines = []
+    for o in result.outcomes:
+        if o.fault.kind != "slow" or o.struck is None or o.detected is not None:
+            continue
+        scores = [
+            f"it {it} {ranks[o.fault.rank]:.2f}"
+            for t, it, ranks in result.timeline.straggler_reports
+            if t >= o.struck and o.fault.rank in ranks
+        ]
+        lines.append(
+            f"\n{o.fault.label}: rank {o.fault.rank}'s relative scores in the straggler reports after it: "
+            f"{', '.join(scores) or 'no report'}"
+        )
+    return lines
 
 
 def goodput_lines(result: DrillResult) -> list[str]:
