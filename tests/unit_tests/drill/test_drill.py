@@ -1,12 +1,11 @@
 """The drill's own logic: schedules are checked, logs are read into detection/recovery, the report tells the truth."""
 
 import datetime
-import json
 
 import pytest
 import torch
 
-from megatron.bridge.drill import events, report, runner, schedule
+from megatron.bridge.drill import events, report, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
 from megatron.bridge.training.checkpoint import compare
 
@@ -34,7 +33,7 @@ def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
     assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
     assert [f.iteration for f in faults] == sorted(f.iteration for f in faults)
     schedule.check(faults, PLAN)
-    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,hang@48:1,slow@60:1:x6"
+    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,hang@48:1,slow@60:1:x6"
 
 
 @pytest.mark.parametrize(
@@ -158,30 +157,10 @@ def test_a_corrupted_local_checkpoint_counts_the_steps_the_fallback_lost():
             _step(21.0, 41),
         ]
     )
-    ledger = [{"kind": "corrupt-local", "iteration": 45, "rank": 1, "time": T0 + 0.5}]
+    ledger = [{"kind": "corrupt", "iteration": 45, "rank": 1, "time": T0 + 0.5}]
     (outcome,) = events.outcomes(events.parse_log(log), schedule.parse("corrupt-local@45:1"), ledger)
     assert outcome.ok and (outcome.resumed_from, outcome.steps_lost) == (40, 5)
     assert outcome.detection_s == pytest.approx(19.5, abs=1e-3)
-
-
-def test_the_corrupter_flips_bytes_of_the_right_file_once_it_is_written(tmp_path):
-    shard = tmp_path / "local" / "local_ckpt" / "vm" / "session_x" / "1" / "iter_0000045_1_local.pt"
-    other = shard.parent / "iter_0000040_1_local.pt"
-    shard.parent.mkdir(parents=True)
-    payload = bytes(range(256)) * 8
-    shard.write_bytes(payload)
-    other.write_bytes(payload)
-    ledger = tmp_path / "ledger.jsonl"
-    corrupt = runner.LocalCheckpointCorrupter(schedule.parse("corrupt-local@45:1"), tmp_path / "local", ledger)
-    corrupt(_w(1.0, 0, "INFO x: finalized async local checkpoint at iteration 45"))  # rank 0's: not the one
-    assert shard.read_bytes() == payload and not ledger.exists()
-    corrupt(_w(1.0, 1, "INFO x: finalized async local checkpoint at iteration 45"))
-    changed = [i for i, (a, b) in enumerate(zip(payload, shard.read_bytes())) if a != b]
-    assert len(changed) == 64 and changed[0] == len(payload) // 2
-    assert other.read_bytes() == payload
-    assert json.loads(ledger.read_text())["kind"] == "corrupt-local"
-    corrupt(_w(1.0, 1, "INFO x: finalized async local checkpoint at iteration 45"))  # once only
-    assert len(ledger.read_text().splitlines()) == 1
 
 
 def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs():
@@ -299,7 +278,7 @@ def test_a_hang_after_a_corrupted_local_checkpoint_loses_only_its_own_steps():
         ]
     )
     ledger = [
-        {"kind": "corrupt-local", "iteration": 45, "rank": 1, "time": T0 + 1.55},
+        {"kind": "corrupt", "iteration": 45, "rank": 1, "time": T0 + 1.55},
         {"kind": "hang", "iteration": 48, "rank": 1, "time": T0 + 2.0},
     ]
     corrupt, hang = events.outcomes(events.parse_log(log), schedule.parse("corrupt-local@45:1,hang@48:1"), ledger)

@@ -282,6 +282,26 @@ def test_a_poisoned_local_save_is_due_once_on_its_rank_and_iteration(tmp_path, m
     assert not fault_injection.poisons_local_save(rank=1, iteration=8)  # once per job
 
 
+def test_a_written_local_checkpoint_is_corrupted_once_in_its_middle(tmp_path):
+    shard, other = tmp_path / "iter_0000045_1_local.pt", tmp_path / "iter_0000040_1_local.pt"
+    payload = bytes(range(256)) * 8
+    shard.write_bytes(payload)
+    other.write_bytes(payload)
+    ledger = str(tmp_path / "ledger.jsonl")
+    fault_injection.install(FaultInjectionConfig(faults="corrupt@45:1,nan@45:1:local_save", ledger=ledger))
+    assert parse("corrupt@45:1") == [Fault("corrupt", 45, 1, phase="local_save")]
+    fault_injection.corrupt_written_local_checkpoint(0, 45, lambda: str(shard))  # another rank
+    fault_injection.corrupt_written_local_checkpoint(1, 40, lambda: str(other))  # another iteration
+    assert shard.read_bytes() == payload and other.read_bytes() == payload
+    fault_injection.corrupt_written_local_checkpoint(1, 45, lambda: str(shard))
+    changed = [i for i, (a, b) in enumerate(zip(payload, shard.read_bytes())) if a != b]
+    assert len(changed) == 64 and changed[0] == len(payload) // 2
+    assert [r["kind"] for r in fault_injection.struck_faults(ledger)] == ["corrupt"]
+    fault_injection.corrupt_written_local_checkpoint(1, 45, lambda: str(shard))  # once
+    assert len([i for i, (a, b) in enumerate(zip(payload, shard.read_bytes())) if a != b]) == 64
+    assert fault_injection.poisons_local_save(rank=1, iteration=45), "the NaN fault of that save is still due"
+
+
 def test_a_timed_fault_is_armed_at_the_first_iteration_and_strikes_after_its_delay(monkeypatch):
     struck = []
     monkeypatch.setattr(fault_injection, "strike", lambda kind, where, label=None: struck.append((kind, where)))

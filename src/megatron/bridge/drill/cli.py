@@ -142,9 +142,8 @@ def _train(
         "MBRIDGE_JOB_START_TIME": f"{start:.3f}",
         "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning"),
     }
-    corrupter = runner.LocalCheckpointCorrupter(faults, run / "local", ledger)
     log_path = run / "train.log"
-    code = runner.launch_and_watch(cmd, env, log_path, corrupter, args.timeout, label)
+    code = runner.launch_and_watch(cmd, env, log_path, args.timeout, label)
     return code, time.time() - start, log_path.read_text(errors="replace")
 
 

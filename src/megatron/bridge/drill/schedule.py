@@ -7,12 +7,11 @@ A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]`
 - ``preempt``: the rank receives SIGTERM, as from a scheduler preempting the job;
 - ``nan``: the rank's loss is NaN in the first pass of the iteration (a transient numerical fault);
 - ``slow``: the rank's forward steps take ``factor`` times as long from that iteration on (default 6);
-- ``corrupt-local``: once the rank's local checkpoint of the iteration is written, the drill flips bytes in the
-  middle of its file, as a failing disk would; a later restart must find it bad and fall back to the global tier.
+- ``corrupt-local``: once the rank's local checkpoint of the iteration is written, bytes in the middle of its file
+  are flipped, as a failing disk would; a later restart must find it bad and fall back to the global tier.
 
-The first five are faults of the training processes' fault-injection registry (``fault_injection.faults``, each
-striking once per job thanks to the ledger, ``fault_injection.ledger``); ``corrupt-local`` is done by the drill
-itself, from outside.
+All are faults of the training processes' fault-injection registry (``fault_injection.faults``), each striking once
+per job thanks to the ledger (``fault_injection.ledger``).
 """
 
 from dataclasses import dataclass
@@ -28,7 +27,14 @@ RESTARTING = ("kill", "hang", "preempt", "slow")
 """Kinds after which the job restarts (``slow``: the straggler stop, exit 21, then the in-job restart)."""
 SLOW_MARGIN = 15
 """Iterations a ``slow`` fault needs before the end: straggler reports come every second, and slowed steps are long."""
-_WORKER_KIND = {"kill": "kill", "hang": "hang", "preempt": "sigterm", "nan": "nan", "slow": "slow"}
+_WORKER_KIND = {
+    "kill": "kill",
+    "hang": "hang",
+    "preempt": "sigterm",
+    "nan": "nan",
+    "slow": "slow",
+    "corrupt-local": "corrupt",
+}
 """The fault-injection kind that injects each drill kind inside the training processes."""
 
 

@@ -2,7 +2,8 @@
 
 A drill or a test names the faults it wants, and the rank they are aimed at fails for real at that moment: it
 stops (SIGSTOP), dies (SIGKILL), raises, is signalled, stalls, slows down, computes a NaN or a spike, is killed in
-the middle of a checkpoint commit, or saves a local checkpoint with NaN weights. Nothing else in the package
+the middle of a checkpoint commit, saves a local checkpoint with NaN weights, or finds the bytes of its written local
+checkpoint flipped. Nothing else in the package
 injects faults: the checkpoint commit protocol and the local tier ask this registry whether a fault is due, and
 ``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become one of its faults.
 
@@ -26,7 +27,9 @@ both apply (the environment's faults are added to the config's).
     sleeps for the extra time inside the step, which CPU-side timing sees and CUDA kernel timing does not),
     ``spike`` (its forward output is multiplied by ``x<factor>``, default 100): ``forward``;
   - ``nan``: ``forward`` (its forward output becomes NaN, hence its loss and gradients), ``local_save`` (its
-    local checkpoint of that iteration is saved with NaN weights: a poisoned local checkpoint).
+    local checkpoint of that iteration is saved with NaN weights: a poisoned local checkpoint);
+  - ``corrupt``: ``local_save`` (once the rank's local checkpoint of that iteration is written, 64 bytes in the
+    middle of its file are flipped: storage that damages data at rest, which the content hashes catch at load).
 
   ``step``: when the rank starts the iteration. ``forward``: in the rank's forward passes of the iteration.
   ``save.<point>``: at that point of the global checkpoint's commit protocol in the save of that iteration (points
@@ -93,6 +96,7 @@ PHASES = {
     "slow": (FORWARD,),
     "spike": (FORWARD,),
     "nan": (FORWARD, LOCAL_SAVE),
+    "corrupt": (LOCAL_SAVE,),
 }
 """Every kind and the phases it can strike in; the first is its default."""
 KINDS = tuple(PHASES)
@@ -263,9 +267,10 @@ class FaultRegistry:
         phases = tuple(phases)
         return [f for f in self._due if f.rank == rank and f.phase in phases]
 
-    def take(self, phase: str, rank: int, iteration: int) -> Optional[Fault]:
-        """The fault due at ``phase`` of ``iteration`` on ``rank``, recorded as struck; ``None`` if there is none."""
-        fault = next((f for f in self.pending(rank, [phase]) if f.iteration == iteration), None)
+    def take(self, phase: str, rank: int, iteration: int, kind: Optional[str] = None) -> Optional[Fault]:
+        """The fault (of ``kind``, if given) due at ``phase`` of ``iteration`` on ``rank``, recorded as struck."""
+        due = (f for f in self.pending(rank, [phase]) if f.iteration == iteration and kind in (None, f.kind))
+        fault = next(due, None)
         if fault is not None:
             self.record(fault)
         return fault
@@ -323,7 +328,25 @@ def at_save_point(point: str, rank: int, iteration: int) -> None:
 
 def poisons_local_save(rank: int, iteration: int) -> bool:
     """Whether the local checkpoint of ``iteration`` on ``rank`` is to be saved with NaN weights (and is, now)."""
-    return registry().take(LOCAL_SAVE, rank, iteration) is not None
+    return registry().take(LOCAL_SAVE, rank, iteration, kind="nan") is not None
+
+
+def corrupt_written_local_checkpoint(rank: int, iteration: int, path: Callable[[], str]) -> None:
+    """Flip 64 bytes in the middle of the written local checkpoint file ``path()`` if ``corrupt`` is due now."""
+    if registry().take(LOCAL_SAVE, rank, iteration, kind="corrupt") is None:
+        return
+    target = path()
+    with open(target, "r+b") as f:
+        middle = f.seek(0, os.SEEK_END) // 2
+        f.seek(middle)
+        chunk = f.read(64)
+        f.seek(middle)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+        f.flush()
+        os.fsync(f.fileno())
+    logger.error(
+        "fault injection: flipped %d bytes of local checkpoint %s (iteration %d)", len(chunk), target, iteration
+    )
 
 
 def descendants(pid: int) -> list[int]:

@@ -11,7 +11,9 @@ Most shims swap the module-level ``torch`` name of one upstream module for a :cl
 it forwards every attribute to the real ``torch`` except that its ``cuda`` attribute answers the
 few CUDA queries on CPU (``current_device`` -> cpu, ``synchronize`` -> no-op, RNG calls -> the CPU
 generator) and its tensor factories build tensors on CPU when asked for a CUDA device. Nothing
-else in the process sees a changed ``torch``. The remaining shims replace single functions.
+else in the process sees a changed ``torch``. The remaining shims replace single functions, and one turns
+megatron-core's jit fuser off before its fused ops are imported (they would bring in ``torch.compile``: ~2 s per
+process, for kernels a CPU run never calls).
 
 The model-parallel RNG tracker is mapped onto the CPU default generator: ``fork()`` swaps the CPU
 generator state in and out, so dropout inside tensor-parallel regions is deterministic per TP rank

@@ -364,6 +364,10 @@ class LocalTier:
 
     def _saved(self, iteration: int) -> None:
         self.last_saved_iteration = iteration
+        ckpt_id = upstream.bound(self.manager, f"{_MANAGER}._ckpt_id")
+        fault_injection.corrupt_written_local_checkpoint(
+            dist_utils.rank(), iteration, lambda: str(self.manager.path_of(ckpt_id(iteration)))
+        )
 
     def finalize(self, blocking: bool = False) -> None:
         """Finish an async save that completed on every rank (wait for it with ``blocking``)."""
