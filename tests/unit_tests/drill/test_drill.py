@@ -33,7 +33,7 @@ def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
     assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
     assert [f.iteration for f in faults] == sorted(f.iteration for f in faults)
     schedule.check(faults, PLAN)
-    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,hang@48:1,slow@60:1:x6"
+    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,hang@47:1,slow@48:1:x10"
 
 
 @pytest.mark.parametrize(
@@ -174,6 +174,8 @@ def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs():
     assert report.to_json(good)["faults"][0]["steps_lost"] == 1
     assert not report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=False, differences=["x"]).passed
     assert not report.DrillResult(found, timeline, 1, 40.0, 20.0, None, equal=True).passed
+    spurious = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, unexplained_restarts=[T0 + 30])
+    assert not spurious.passed and "restarts no scheduled fault explains" in report.goodput_lines(spurious)[-1]
     missed = events.outcomes(timeline, [DrillFault("hang", 3, 1)], [])
     failed = report.DrillResult(missed, timeline, 0, 40.0, 20.0, None, equal=True)
     assert not failed.passed and "**not detected**" in report.fault_table(failed)

@@ -33,8 +33,16 @@ class DrillResult:
 
     @property
     def passed(self) -> bool:
-        """Finished, every fault detected and recovered, and the final state equal to the reference (compared)."""
-        return self.exit_code == 0 and all(o.ok for o in self.outcomes) and self.equal is True
+        """Finished, every fault detected and recovered, no unexplained restart, the final state equal (compared).
+
+        A restart no fault explains is a false alarm, and costs a restart on a real cluster too.
+        """
+        return (
+            self.exit_code == 0
+            and all(o.ok for o in self.outcomes)
+            and not self.unexplained_restarts
+            and self.equal is True
+        )
 
 
 def _secs(value: Optional[float]) -> str:

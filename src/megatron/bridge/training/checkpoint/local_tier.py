@@ -216,6 +216,11 @@ def _manager_class() -> type:
                 super()._save(state_dict, ckpt_id)
             finally:
                 torch.serialization.set_crc32_options(previous)
+            # In the writer (a forked process when async): the file is complete now, whenever the save finalizes.
+            iteration, owner = ckpt_id[0], ckpt_id[1]
+            if owner == dist_utils.rank():
+                path = self.path_of(ckpt_id)
+                fault_injection.corrupt_written_local_checkpoint(owner, iteration, lambda: str(path))
 
         def _remove(self, keep: Callable[[int], bool]) -> None:
             for path in self._node_files(self._filename_from_template("*", "*", "*")):
@@ -364,10 +369,6 @@ class LocalTier:
 
     def _saved(self, iteration: int) -> None:
         self.last_saved_iteration = iteration
-        ckpt_id = upstream.bound(self.manager, f"{_MANAGER}._ckpt_id")
-        fault_injection.corrupt_written_local_checkpoint(
-            dist_utils.rank(), iteration, lambda: str(self.manager.path_of(ckpt_id(iteration)))
-        )
 
     def finalize(self, blocking: bool = False) -> None:
         """Finish an async save that completed on every rank (wait for it with ``blocking``)."""
