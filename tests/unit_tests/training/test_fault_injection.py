@@ -116,6 +116,12 @@ def test_parse_rejects_malformed_items(spec):
         parse(spec)
 
 
+def test_a_fault_given_twice_is_rejected():
+    with pytest.raises(ValueError, match=r"fault_injection.faults: item 'kill@5:1:step' is there twice"):
+        parse("kill@5:1,kill@5:1:step", "fault_injection.faults")
+    assert len(parse("kill@5:1,kill@5:0,kill@6:1")) == 3
+
+
 @pytest.mark.parametrize(
     "spec,bad_part",
     [

@@ -48,8 +48,8 @@ The ledger is a file of JSON lines shared by every attempt: a rank appends the f
 rank, phase, wall-clock time, pid, restart count) just before striking, and later attempts skip what it lists, so a
 schedule can span restarts and the file says when each fault struck.
 
-A malformed item or an unknown kind is a ``ValueError`` naming the item, the bad part and the expected form; the
-config's ``validate()`` checks both sources before anything starts.
+A malformed item or an unknown kind is a ``ValueError`` naming the item, the bad part and the expected form (an item
+given twice in one spec, too); the config's ``validate()`` checks both sources before anything starts.
 """
 
 import functools
@@ -224,6 +224,8 @@ def parse(spec: str, source: str = ENV) -> list[Fault]:
             raise ValueError(
                 f"{source}: bad item {item!r}: {err}. Fix: write each item as {GRAMMAR}, kinds {', '.join(KINDS)}"
             ) from None
+        if faults[-1] in faults[:-1]:
+            raise ValueError(f"{source}: item {item!r} is there twice (a fault strikes once); remove one")
     return faults
 
 
