@@ -5,6 +5,7 @@ registry, the ledger spans restarts, ``ft.simulate_fault*`` becomes a timed faul
 spec from the config or the environment by name.
 """
 
+import logging
 import time
 
 import pytest
@@ -321,6 +322,17 @@ def test_a_timed_fault_is_armed_at_the_first_iteration_and_strikes_after_its_del
         time.sleep(0.01)
     assert struck == [("hang", "0.2 s into training on rank 1")]
     assert time.monotonic() - start >= 0.2
+
+
+def test_a_timer_armed_before_an_in_process_restart_does_not_strike_after_it(monkeypatch, caplog):
+    struck = []
+    monkeypatch.setattr(fault_injection, "strike", lambda kind, where, label=None: struck.append((kind, where)))
+    installed = fault_injection.install(FaultInjectionConfig(faults="kill@0.3s:0"))
+    StepFaults(0, installed).before_step(1)  # armed
+    fault_injection.install(FaultInjectionConfig(faults="kill@0.3s:0"), inprocess_iteration=1)  # the restart
+    with caplog.at_level(logging.WARNING):
+        time.sleep(0.6)
+    assert struck == [] and "kill@0.3s:0 disarmed: the process restarted in process" in caplog.text
 
 
 def test_config_and_environment_faults_both_apply(monkeypatch):

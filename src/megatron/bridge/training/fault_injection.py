@@ -263,6 +263,8 @@ class FaultRegistry:
         else:
             first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
             self._due = [f for f in self.faults if f.always or first]
+        self.replaced = False
+        """Set when another registry is installed (an in-process restart): its armed timers no longer strike."""
 
     def pending(self, rank: int, phases: Iterable[str]) -> list[Fault]:
         """The faults of ``rank`` in ``phases`` still due in this attempt."""
@@ -308,6 +310,8 @@ def install(cfg: "FaultInjectionConfig", inprocess_iteration: int = 0, extra: It
     """Make the faults of ``cfg``, ``$MBRIDGE_FAULTS`` and ``extra`` the ones of this process (at each start)."""
     global _active
     faults = [*parse(cfg.faults or "", "fault_injection.faults"), *parse(os.environ.get(ENV, "")), *extra]
+    if _active is not None:
+        _active.replaced = True
     _active = FaultRegistry(faults, cfg.ledger, inprocess_iteration)
     return _active
 
@@ -439,6 +443,9 @@ class StepFaults:
 
         def wait_and_strike() -> None:
             time.sleep(fault.seconds)
+            if self._registry.replaced:  # the attempt that armed it is over; the new one decides for itself
+                logger.warning("fault injection: %s disarmed: the process restarted in process", fault)
+                return
             self._registry.record(fault)
             strike(fault.kind, f"{_number(fault.seconds)} s into training on rank {self.rank}")
 
