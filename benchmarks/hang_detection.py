@@ -52,7 +52,7 @@ def _run(cmd: list[str], env_faults: str | None, timeout: float) -> tuple[str, b
 
 def _ft_cmd(ckpt: Path, port: int, *overrides: str) -> list[str]:
     return [
-        str(Path(sys.executable).parent / "ft_launcher"), "--nproc-per-node=2", "--rdzv-backend=c10d",
+        sys.executable, "-m", "megatron.bridge.ft_launch", "--nproc-per-node=2", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
         "--ft-rank-section-timeouts=setup:120,step:60,checkpointing:60", "--ft-rank-out-of-section-timeout=60",
         f"--ft-workload-check-interval={CHECK_INTERVAL}", ENTRY, f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",

@@ -57,7 +57,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--soft-timeout", type=float, default=8.0)
     args = parser.parse_args()
-    bin_dir = Path(sys.executable).parent
     ipr = [
         "inprocess_restart.enabled=true", f"inprocess_restart.soft_timeout={args.soft_timeout}",
         "inprocess_restart.hard_timeout=30", "inprocess_restart.heartbeat_interval=2",
@@ -70,7 +69,7 @@ def main() -> None:
             torchrun = [sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2"]
             in_process = [*torchrun, f"--master-port={free_port()}"]
             in_job = [
-                str(bin_dir / "ft_launcher"), "--nproc-per-node=2", "--rdzv-backend=c10d",
+                sys.executable, "-m", "megatron.bridge.ft_launch", "--nproc-per-node=2", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=1",
             ]  # fmt: skip
             results["in-process"].append(_recovery_seconds(in_process, ipr, Path(tmp) / "ipr"))

@@ -73,7 +73,7 @@ def ft_launcher(
 ) -> Run:
     """Like :func:`torchrun`, launched by nvidia-resiliency-ext's ``ft_launcher`` with in-job restarts."""
     launcher = [
-        str(Path(sys.executable).parent / "ft_launcher"), "--nproc-per-node=2", "--rdzv-backend=c10d",
+        sys.executable, "-m", "megatron.bridge.ft_launch", "--nproc-per-node=2", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
         *(FT_FLAGS if ft_flags is None else ft_flags),
     ]  # fmt: skip

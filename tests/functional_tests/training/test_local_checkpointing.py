@@ -82,7 +82,7 @@ def _agent(
 ) -> Job:
     """One "node": an ft_launcher agent with one training rank and its own node-local directory."""
     launcher = [
-        str(Path(sys.executable).parent / "ft_launcher"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        sys.executable, "-m", "megatron.bridge.ft_launch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--max-restarts=3",
     ]  # fmt: skip
     overrides = [f"checkpoint.non_persistent_local_ckpt_dir={local_dir}", "checkpoint.replication=true", *extra]

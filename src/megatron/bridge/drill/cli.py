@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 ENTRY = "megatron.bridge.recipes.tiny_gpt"
 """The module each rank runs (``python -m``): the tiny GPT recipe, which ships in the package."""
-FT_LAUNCHER = "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; sys.exit(main())"
-"""ft_launcher's console entry point, run by the drill's own interpreter (see :func:`_ft_launcher`)."""
+FT_LAUNCHER = "megatron.bridge.ft_launch"
+"""ft_launcher without its port race (``python -m``), run by the drill's own interpreter (see :func:`_ft_launcher`)."""
 
 
 def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -87,7 +87,7 @@ def _ft_launcher() -> list[str]:
     """
     if importlib.util.find_spec("nvidia_resiliency_ext") is None:
         raise SystemExit("ft_launcher not found: install nvidia-resiliency-ext (bash scripts/setup_env.sh)")
-    return [sys.executable, "-c", FT_LAUNCHER]
+    return [sys.executable, "-m", FT_LAUNCHER]
 
 
 def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -> list[str]:

@@ -153,7 +153,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         f"{_FS_ASYNC}:_results_queue",
         "patch",
-        "checkpoint/async_writer.py: a results queue whose manager process dies with the training process",
+        "checkpoint/async_writer.py: a results queue in files, without upstream's manager process",
     ),
     Symbol(
         f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data_multiproc",
@@ -197,6 +197,11 @@ SYMBOLS: tuple[Symbol, ...] = (
     _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),
     _torch_global("megatron.core.dist_checkpointing.tensor_aware_state_dict", "torch.cuda.synchronize"),
     # ---------------------------------------------------------------- nvidia-resiliency-ext
+    Symbol(
+        "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port",
+        "patch",
+        "ft_launch.py: the workers' store port is picked outside the kernel's ephemeral range",
+    ),
     _torch_global(
         "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager", "torch.cuda.synchronize after a save"
     ),
