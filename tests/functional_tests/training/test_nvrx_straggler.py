@@ -1,4 +1,4 @@
-"""Straggler drills: a real 2-rank run scores its ranks; a rank slowed 2x is flagged, stops the run, and it resumes.
+"""Straggler drills: a real 2-rank run scores its ranks; a rank slowed 4x is flagged, stops the run, and it resumes.
 
 Reports come every ``report_time_interval`` seconds; nvidia-resiliency-ext first spends 16 steps measuring the step
 time to turn that into a number of steps. On CPU the scores come from the wall time of the forward step, so the model
@@ -25,14 +25,14 @@ STRAGGLER = [
     "model.hidden_size=128",
     "model.seq_length=128",
 ]
-# Healthy runs are judged on the relative score (ranks against each other) at 0.6, between the lowest healthy score
-# seen in CI on a busy 2-core machine (0.68, always rank 0, which also logs and writes TensorBoard) and the highest
-# score of a rank slowed 2x (0.59). The individual score (a rank against its own past) is reported but flags only a
-# near-stopped rank here (0.05): on a shared CPU machine it follows the machine's load, and a healthy rank fell to
-# 0.55 when another test run started beside it (the drill turns it off for the same reason). The slowed run keeps the
-# default 0.7 for both.
+# Healthy runs are judged on the relative score (ranks against each other) at 0.4: the lowest healthy score seen on
+# a busy 2-core machine was 0.54 (beside two other test runs; 0.68 alone, always rank 0, which also logs and writes
+# TensorBoard), and the slowed rank below runs 4x slower (about 0.25; 2x gave up to 0.59, too close). The individual
+# score (a rank against its own past) is reported but flags only a near-stopped rank here (0.05): on a shared CPU
+# machine it follows the machine's load, and a healthy rank fell to 0.55 when another test run started beside it (the
+# drill turns it off for the same reason). The slowed run keeps the default 0.7 for both.
 HEALTHY_THRESHOLDS = [
-    "nvrx_straggler.gpu_relative_perf_threshold=0.6",
+    "nvrx_straggler.gpu_relative_perf_threshold=0.4",
     "nvrx_straggler.gpu_individual_perf_threshold=0.05",
 ]
 _REPORT_RE = re.compile(r"Straggler report at iteration (\d+) \(scores from ([^)]*)\):\n((?:.*\n)*?)Straggler report")
@@ -73,7 +73,7 @@ def test_no_rank_is_flagged_without_a_straggler(healthy):
         assert set(blocks) == {"GPU relative performance", "GPU individual performance"}
         for title, scores in blocks.items():
             assert set(scores) == {0, 1}, (iteration, title)
-            low = 0.6 if title == "GPU relative performance" else 0.05  # see HEALTHY_THRESHOLDS
+            low = 0.4 if title == "GPU relative performance" else 0.05  # see HEALTHY_THRESHOLDS
             assert all(low <= s <= 1.0 for s in scores.values()), (iteration, title, scores)
     assert "Straggler detected" not in run.output
     assert re.search(r"Straggler report processing time: \d+\.\d{3} sec\.", run.output)
@@ -97,10 +97,10 @@ def test_scores_are_written_to_tensorboard(healthy):
 def test_slowed_rank_is_flagged_stops_all_ranks_and_training_resumes(healthy, tmp_path):
     reference, reference_ckpt, _ = healthy
     ckpt = tmp_path / "ckpt"
-    slowed = torchrun(ckpt, *STRAGGLER, "nvrx_straggler.stop_if_detected=true", env={"MBRIDGE_FAULTS": "slow@1:1:x2"})
+    slowed = torchrun(ckpt, *STRAGGLER, "nvrx_straggler.stop_if_detected=true", env={"MBRIDGE_FAULTS": "slow@1:1:x4"})
     assert slowed.exit_code == 21, tail(slowed)  # ExitCode.STRAGGLER_STOP
     (stop_at, _, blocks), *_ = reports(slowed)
-    assert blocks["GPU relative performance"][1] < 0.7, blocks
+    assert blocks["GPU relative performance"][1] < 0.4, blocks  # below the healthy runs' threshold, too
     assert blocks["GPU relative performance"][0] == 1.0, blocks
     assert re.search(r"Straggler detected: Rank=1 Node=\S+ GPU relative performance", slowed.output)
     for rank in (0, 1):
