@@ -289,6 +289,23 @@ def test_a_hang_after_a_corrupted_local_checkpoint_loses_only_its_own_steps():
     assert hang.detection_s == pytest.approx(1.0, abs=1e-3)
 
 
+def test_a_hang_is_detected_by_whichever_rank_monitor_fires_first():
+    log = "\n".join(
+        [
+            _step(1.0, 46),
+            _w(1.1, 1, "ERROR m: fault injection: hang at iteration 47"),
+            _l(6.6, "[WARNING] [RankMonServer7@vm:0] Section 'step' has been open for 5.51 seconds. Timeout is 5.08"),
+            _l(6.7, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
+            _w(9.5, 0, "INFO m: successfully loaded verified checkpoint /c/iter_0000040 at iteration 40"),
+            _step(10.0, 41),
+        ]
+    )
+    ledger = [{"kind": "hang", "iteration": 47, "rank": 1, "time": T0 + 1.1}]
+    (hang,) = events.outcomes(events.parse_log(log), schedule.parse("hang@47:1"), ledger)
+    assert hang.ok and hang.detection_s == pytest.approx(5.5, abs=1e-3) and hang.resumed_from == 40
+    assert events.unexplained_restarts(events.parse_log(log), [hang]) == []
+
+
 def test_without_a_reference_the_drill_cannot_pass():
     timeline = events.parse_log(_kill_log())
     found = events.outcomes(timeline, schedule.parse("kill@6:1"), [{"kind": "kill", "iteration": 6, "rank": 1,

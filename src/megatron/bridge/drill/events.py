@@ -29,9 +29,12 @@ _SLACK = 0.001
 def _detection_patterns(fault: DrillFault) -> list[re.Pattern]:
     """Log lines that show the mechanism meant for ``fault`` noticed it (on a single node local rank = rank)."""
     killed = re.compile(rf"failed \(exitcode: -9\) local_rank: {fault.rank} ")
+    # A hung rank's peers block in a collective with it, so every rank's section times out at about the same time:
+    # the first rank monitor to fire (often a peer's) stops the group, and the others may never log theirs.
+    timed_out = re.compile(r"\[RankMonServer\d+@[^:\]]+:\d+\] Section '\w+' has been open for")
     return {
         "kill": [killed],
-        "hang": [re.compile(rf"\[RankMonServer\d+@[^:\]]+:{fault.rank}\] Section '\w+' has been open for"), killed],
+        "hang": [timed_out, killed],
         "preempt": [re.compile(r"Preemption detected, saving checkpoint and exiting")],
         "nan": [re.compile(rf"Unexpected result nan on rank {fault.rank} at iteration #{fault.iteration}\b")],
         "slow": [re.compile(rf"Straggler detected: Rank={fault.rank} ")],
