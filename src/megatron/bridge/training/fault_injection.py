@@ -3,9 +3,9 @@
 A drill or a test names the faults it wants, and the rank they are aimed at fails for real at that moment: it
 stops (SIGSTOP), dies (SIGKILL), raises, is signalled, stalls, slows down, computes a NaN or a spike, is killed in
 the middle of a checkpoint commit, saves a local checkpoint with NaN weights, or finds the bytes of its written local
-checkpoint flipped. Nothing else in the package
-injects faults: the checkpoint commit protocol and the local tier ask this registry whether a fault is due, and
-``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become one of its faults.
+checkpoint flipped. Nothing else in the package injects faults: the checkpoint commit protocol and the local tier
+ask this registry whether a fault is due, and ``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become
+one of its faults.
 
 Spec: a comma-separated list of ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.
 ``kill@8:1,nan@12:0,slow@1:1:x3,kill@6:1:save.during_write,nan@8:0:local_save,hang@4s:1``. Set it in

@@ -219,8 +219,7 @@ def _manager_class() -> type:
             # In the writer (a forked process when async): the file is complete now, whenever the save finalizes.
             iteration, owner = ckpt_id[0], ckpt_id[1]
             if owner == dist_utils.rank():
-                path = self.path_of(ckpt_id)
-                fault_injection.corrupt_written_local_checkpoint(owner, iteration, lambda: str(path))
+                fault_injection.corrupt_written_local_checkpoint(owner, iteration, lambda: str(self.path_of(ckpt_id)))
 
         def _remove(self, keep: Callable[[int], bool]) -> None:
             for path in self._node_files(self._filename_from_template("*", "*", "*")):
