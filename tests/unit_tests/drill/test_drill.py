@@ -33,7 +33,7 @@ def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
     assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
     assert [f.iteration for f in faults] == sorted(f.iteration for f in faults)
     schedule.check(faults, PLAN)
-    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,hang@47:1,slow@48:1:x10"
+    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,hang@47:1,slow@48:1:x20"
 
 
 @pytest.mark.parametrize(

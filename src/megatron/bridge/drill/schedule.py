@@ -6,8 +6,9 @@ A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]`
 - ``hang``: the rank SIGSTOPs itself (a hung GPU or a deadlock; the process is alive but makes no progress);
 - ``preempt``: the rank receives SIGTERM, as from a scheduler preempting the job;
 - ``nan``: the rank's loss is NaN in the first pass of the iteration (a transient numerical fault);
-- ``slow``: the rank's forward steps take ``factor`` times as long from that iteration on (default 10: a relative
-  score near 0.1, well below the drill's threshold of 0.3 even on a machine that other processes load unevenly);
+- ``slow``: the rank's forward steps take ``factor`` times as long from that iteration on (default 20: a relative
+  score near 0.07, half the drill's threshold of 0.15, which a healthy rank stays above even on a machine that
+  other processes load unevenly: it scored 0.29 there);
 - ``corrupt-local``: once the rank's local checkpoint of the iteration is written, bytes in the middle of its file
   are flipped, as a failing disk would; a later restart must find it bad and fall back to the global tier.
 
@@ -20,7 +21,7 @@ from typing import Optional
 
 from megatron.bridge.training.fault_injection import Fault
 
-DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,hang@47:1,slow@48:1:x10"
+DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,hang@47:1,slow@48:1:x20"
 """One of each kind, for 100 iterations with global saves every 20 and local ones every 5.
 
 The slowed rank is found by comparing it with the others over the steps between two straggler reports. The detector
@@ -99,7 +100,7 @@ def parse(spec: str) -> list[DrillFault]:
                 f"--faults: bad item {item!r}; expected <kind>@<iteration>:<rank> (slow also takes :x<factor>, "
                 f"1 < factor < 100) with kind in {KINDS}, iteration >= 1, rank >= 0"
             ) from None
-        faults.append(DrillFault(kind, iteration, rank, factor if factor is not None or kind != "slow" else 10.0))
+        faults.append(DrillFault(kind, iteration, rank, factor if factor is not None or kind != "slow" else 20.0))
     faults.sort(key=lambda f: f.iteration)
     seen = [f.iteration for f in faults]
     if len(set(seen)) != len(seen):
