@@ -206,14 +206,14 @@ def test_an_undetected_slow_rank_is_reported_with_the_scores_it_got():
 
 
 def test_checkpoint_differences_name_what_differs():
-    a = {"sharded.model.w": torch.ones(3), "common.train_state.iteration": 5}
+    a = {"sharded.model.w": torch.ones(3), "common.train_state.step": 5}
     assert compare.differences(a, dict(a)) == []
-    b = {"sharded.model.w": torch.tensor([1.0, 1.0, 1.5]), "common.train_state.iteration": 6}
+    b = {"sharded.model.w": torch.tensor([1.0, 1.0, 1.5]), "common.train_state.step": 6}
     found = compare.differences(a, b)
     assert any("sharded.model.w: values differ (max abs difference 0.5)" in d for d in found)
-    assert any("iteration: 5 != 6" in d for d in found)
+    assert any("step: 5 != 6" in d for d in found)
     assert compare.differences(a, {"sharded.model.w": torch.ones(3)}) == [
-        "common.train_state.iteration: only in one of the two"
+        "common.train_state.step: only in one of the two"
     ]
 
 

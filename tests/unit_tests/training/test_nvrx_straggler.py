@@ -32,7 +32,7 @@ def _raw(gpu_rel=None, gpu_ind=None, sec_rel=None, sec_ind=None):
 
 
 def _manager(**cfg) -> NVRxStragglerDetectionManager:
-    return NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig(enabled=True, **cfg), rank=0)
+    return NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig(enabled=True, **cfg))
 
 
 def test_without_kernel_timing_scores_come_from_the_forward_section():
@@ -97,7 +97,7 @@ def test_scalars_summarise_each_score_kind():
 
 
 def test_disabled_manager_changes_nothing():
-    manager = NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig(), rank=0)
+    manager = NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig())
     manager.initialize()
 
     def step():

@@ -1,4 +1,4 @@
-"""Rank-0 work shared with every rank, and barriers, in one process and between two gloo ranks."""
+"""Rank-0 work shared with every rank, barriers and the signal agreement, in one process and between two gloo ranks."""
 
 import json
 import os
@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler
 from megatron.bridge.utils import dist as dist_utils
 
 
@@ -40,6 +41,10 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
     except dist_utils.RankZeroError as err:
         result["error"] = str(err)
     result["gathered"] = dist_utils.all_gather_object(rank * 10)
+    handler = DistributedSignalHandler()
+    if rank == 1:
+        handler.received_at = 1.0  # as the handler records a signal that reached rank 1 only
+    result["signals"] = handler.signals_received()  # a collective, as the sig_utils API promises
     for _ in range(3):  # a barrier of one name passed several times
         dist_utils.barrier(timeout=30, name="again")
     if rank == 0:  # rank 1 never comes to this one
@@ -69,6 +74,7 @@ def test_two_gloo_ranks_share_rank0_results_and_errors_and_a_timed_barrier_names
     for r in results:
         assert r["error"] == "the commit failed on rank 0: ValueError: boom"
         assert r["gathered"] == [0, 10]
+        assert r["signals"] == [False, True]  # every rank learns that rank 1 was signalled
     message, missing = results[0]["timeout"]
     assert missing == [1]
     assert "late: rank(s) [1] did not arrive within 1 s" in message

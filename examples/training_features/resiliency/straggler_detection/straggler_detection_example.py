@@ -19,9 +19,9 @@ import sys
 
 import torch
 
-from megatron.bridge.models.gpt import gpt_forward_step
 from megatron.bridge.recipes.tiny_gpt import tiny_gpt_config
 from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig
+from megatron.bridge.training.gpt_step import forward_step
 from megatron.bridge.training.pretrain import main
 
 
@@ -64,4 +64,4 @@ if __name__ == "__main__":  # the guard matters: checkpoint writers spawn helper
         overrides = [f"fault_injection.faults=slow@1:{args.slow_rank}:x{args.slow_factor:g}", *overrides]
         if torch.cuda.is_available():
             print("--slow-rank sleeps on the CPU; GPU (kernel) scores will not flag it", file=sys.stderr)
-    main(straggler_config, gpt_forward_step, overrides)
+    main(straggler_config, forward_step, overrides)

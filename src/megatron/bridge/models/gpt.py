@@ -1,6 +1,5 @@
-"""A GPT model from megatron-core (local layer spec, no Transformer Engine) and its forward step."""
+"""A GPT model from megatron-core (local layer spec, no Transformer Engine); forward step: ``training/gpt_step.py``."""
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -51,26 +50,3 @@ def build_gpt_model(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
 
         model = Float16Module(config, model)  # bf16 compute, fp32 logits out, as megatron-core expects
     return model
-
-
-def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def gpt_forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-    """One micro-batch forward: returns the per-token losses and the function that reduces them."""
-    batch = next(data_iterator)
-    device = next(model.parameters()).device
-    tokens = batch["tokens"].to(device, non_blocking=True)
-    seq = tokens.shape[1]
-    causal_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
-    output = model(
-        tokens,
-        batch["position_ids"].to(device, non_blocking=True),
-        causal_mask,
-        labels=batch["labels"].to(device, non_blocking=True),
-    )
-    return output, partial(_masked_mean_loss, batch["loss_mask"].to(device, non_blocking=True))

@@ -27,10 +27,10 @@ def tiny_gpt_config() -> ConfigContainer:
 
 def main(argv: list[str] | None = None) -> None:
     """Pretrain the tiny GPT with dotted ``key=value`` overrides (the command line's by default); exits."""
-    from megatron.bridge.models.gpt import gpt_forward_step
+    from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import main as pretrain_main
 
-    pretrain_main(tiny_gpt_config, gpt_forward_step, argv)
+    pretrain_main(tiny_gpt_config, forward_step, argv)
 
 
 if __name__ == "__main__":  # the guard matters: checkpoint writers and data loaders spawn helper processes

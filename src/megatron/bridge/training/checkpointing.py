@@ -224,7 +224,7 @@ class CheckpointManager:
 
         root = self.cfg.save
         assert root is not None, "validate() guarantees checkpoint.save when saving"
-        iteration = state.iteration
+        iteration = state.step
         if self._pending is not None:
             self.finalize(blocking=True)  # one save in flight at a time
         start = time.perf_counter()
@@ -288,7 +288,7 @@ class CheckpointManager:
         """Save the current state into the local tier (same content as a global checkpoint)."""
         assert self.local is not None, "validate() guarantees the local tier when a local save is due"
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
-        self.local.save(sharded_sd, state.iteration, common_extra=self._extras())
+        self.local.save(sharded_sd, state.step, common_extra=self._extras())
 
     def _extras(self) -> dict[str, Any]:
         return {name: provide() for name, provide in self._common_extra.items()}
@@ -346,11 +346,11 @@ class CheckpointManager:
         if self.local is not None and self._load_local(candidates, model, optimizer, scheduler, state):
             self.resumed = {
                 "tier": "local",
-                "iteration": state.iteration,
+                "iteration": state.step,
                 "directory": self.cfg.non_persistent_local_ckpt_dir,
                 "why": f"the local checkpoint is newer than the global ones of {root} and verified",
             }
-            return state.iteration
+            return state.step
         if not candidates:
             if self.cfg.exit_on_missing_checkpoint:
                 raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, f"no checkpoint in {source.field}={root}")
@@ -373,7 +373,7 @@ class CheckpointManager:
                 logger.warning("fell back to checkpoint at iteration %d (newest was %d)", iteration, candidates[0])
                 why += f" (newer {[c for c in candidates if c > iteration]} failed verification)"
             self.resumed = {"tier": "global", "iteration": iteration, "directory": ckpt_dir, "why": why}
-            logger.info("successfully loaded verified checkpoint %s at iteration %d", ckpt_dir, state.iteration)
+            logger.info("successfully loaded verified checkpoint %s at iteration %d", ckpt_dir, state.step)
             return iteration
         raise TrainingExit(
             ExitCode.NO_VALID_CHECKPOINT,

@@ -17,7 +17,7 @@ the gradient all-reduce (in the whole step every rank waits for the slowest one,
 the report says so.
 
 Example:
-    >>> manager = NVRxStragglerDetectionManager(cfg.nvrx_straggler, rank=0)
+    >>> manager = NVRxStragglerDetectionManager(cfg.nvrx_straggler)
     >>> manager.initialize()  # after torch.distributed is initialized
     >>> forward_step = manager.wrap_forward_step(forward_step)
     >>> with manager.step_section():
@@ -142,10 +142,9 @@ class StragglerCheck:
 class NVRxStragglerDetectionManager:
     """Owns the (process-global) ``Detector`` for one training run; every method is a no-op when disabled."""
 
-    def __init__(self, cfg: NVRxStragglerDetectionConfig, rank: int) -> None:
-        self.cfg = cfg
-        self.rank = rank
-        self.enabled = cfg.enabled
+    def __init__(self, config: NVRxStragglerDetectionConfig) -> None:
+        self.config = config
+        self.enabled = config.enabled
         self._detector: Any = None
 
     def initialize(self) -> None:
@@ -154,25 +153,25 @@ class NVRxStragglerDetectionManager:
             return
         detector = straggler_package().Detector
         scores = []
-        if self.cfg.calc_relative_gpu_perf:
+        if self.config.calc_relative_gpu_perf:
             scores.append("relative_perf_scores")
-        if self.cfg.calc_individual_gpu_perf:
+        if self.config.calc_individual_gpu_perf:
             scores.append("individual_perf_scores")
         detector.initialize(
             scores_to_compute=scores,
             gather_on_rank0=True,
-            profiling_interval=self.cfg.profiling_interval,
-            report_time_interval=self.cfg.report_time_interval,
+            profiling_interval=self.config.profiling_interval,
+            report_time_interval=self.config.report_time_interval,
             node_name=socket.gethostname(),
         )
         self._detector = detector
         logger.info(
             "NVRx straggler detection on: report every %.1f s, thresholds relative %s / individual %s, "
             "stop_if_detected=%s",
-            self.cfg.report_time_interval,
-            self.cfg.gpu_relative_perf_threshold if self.cfg.calc_relative_gpu_perf else "off",
-            self.cfg.gpu_individual_perf_threshold if self.cfg.calc_individual_gpu_perf else "off",
-            self.cfg.stop_if_detected,
+            self.config.report_time_interval,
+            self.config.gpu_relative_perf_threshold if self.config.calc_relative_gpu_perf else "off",
+            self.config.gpu_individual_perf_threshold if self.config.calc_individual_gpu_perf else "off",
+            self.config.stop_if_detected,
         )
 
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
@@ -211,18 +210,18 @@ class NVRxStragglerDetectionManager:
         if raw is not None:  # rank 0
             report = self._build_report(raw, iteration)
             report.processing_time = time.perf_counter() - start
-            logger.info("%s", report.format(self.cfg.num_gpu_perf_scores_to_print))
+            logger.info("%s", report.format(self.config.num_gpu_perf_scores_to_print))
             for line in report.flagged():
                 logger.warning("Straggler detected: %s", line)
-            if self.cfg.enable_logging:
+            if self.config.enable_logging:
                 result.scalars = report.scalars()
-            if self.cfg.stop_if_detected and report.flagged():
+            if self.config.stop_if_detected and report.flagged():
                 result.stop_reason = (
                     f"straggler detected at iteration {iteration} ({'; '.join(report.flagged())}) "
                     "with nvrx_straggler.stop_if_detected=true"
                 )
             result.report = report
-        if self.cfg.stop_if_detected:
+        if self.config.stop_if_detected:
             result.stop_reason = broadcast_from_rank0(result.stop_reason)
         return result
 
@@ -234,8 +233,8 @@ class NVRxStragglerDetectionManager:
         )
         blocks = []
         kinds = (
-            ("relative", self.cfg.calc_relative_gpu_perf, self.cfg.gpu_relative_perf_threshold),
-            ("individual", self.cfg.calc_individual_gpu_perf, self.cfg.gpu_individual_perf_threshold),
+            ("relative", self.config.calc_relative_gpu_perf, self.config.gpu_relative_perf_threshold),
+            ("individual", self.config.calc_individual_gpu_perf, self.config.gpu_individual_perf_threshold),
         )
         for kind, on, threshold in kinds:
             if not on:

@@ -1,4 +1,4 @@
-"""Entry point: ``pretrain(cfg, forward_step_func)`` and the command-line wrapper used by the example scripts."""
+"""Entry point: ``pretrain(config, forward_step_func, callbacks)`` and the command-line wrapper of the examples."""
 
 import contextlib
 import functools
@@ -6,12 +6,13 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Optional
+from collections.abc import Callable, Iterable
+from typing import Optional, Union
 
 import torch.distributed as dist
 
 from megatron.bridge.training import fault_injection, job_info
+from megatron.bridge.training.callbacks import Callback, CallbackManager, fire_event, normalize_callbacks
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.device_health import check_device_health
@@ -32,27 +33,34 @@ from megatron.bridge.training.initialize import (
 from megatron.bridge.training.inprocess_restart import RestartIteration
 from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
-from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
 from megatron.bridge.training.rerun import RerunController, check_losses
-from megatron.bridge.training.state import TrainState
+from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
-from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, ignore_in_worker
+from megatron.bridge.training.utils.sig_utils import ignore_in_worker
+from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 
 logger = logging.getLogger(__name__)
 
 
-def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
-    """Validate ``cfg``, set up the run, resume from the newest valid checkpoint and train.
+def pretrain(
+    config: ConfigContainer,
+    forward_step_func: Callable,
+    callbacks: Union[None, CallbackManager, Iterable[Callback]] = None,
+) -> ExitCode:
+    """Validate ``config``, set up the run, resume from the newest valid checkpoint and train.
 
     With ``inprocess_restart.enabled`` the whole of it (process groups included) runs again in the same processes
     after a rank fault; see :func:`maybe_wrap_for_inprocess_restart`.
 
     Args:
-        cfg: the run's configuration.
-        forward_step_func: ``(data_iterator, model) -> (output_tensor, loss_func)`` for one micro-batch.
+        config: the run's configuration.
+        forward_step_func: one micro-batch forward, ``(state, data_iterator, model)`` (e.g.
+            ``megatron.bridge.training.gpt_step.forward_step``) or ``(data_iterator, model)``, returning the output
+            and the loss function to apply to it.
+        callbacks: ``Callback`` objects, or a ``CallbackManager``, run at the loop's events (``callbacks.py``).
 
     Returns:
         The exit code of the way training ended (see ``exit_codes.py``).
@@ -62,16 +70,19 @@ def pretrain(cfg: ConfigContainer, forward_step_func: Callable) -> ExitCode:
         TrainingExit: training could not start or had to stop early (e.g. no valid checkpoint, or in-process
             restart gave up).
     """
-    cfg.validate()
-    setup_logging(cfg.logger.log_level)
-    return maybe_wrap_for_inprocess_restart(_pretrain, cfg)(cfg, forward_step_func)
+    config.validate()
+    setup_logging(config.logger.log_level)
+    state = GlobalState()
+    state.cfg = config
+    manager = normalize_callbacks(callbacks)
+    return maybe_wrap_for_inprocess_restart(_pretrain, config)(state, forward_step_func, manager)
 
 
 def maybe_wrap_for_inprocess_restart(fn: Callable[..., ExitCode], cfg: ConfigContainer) -> Callable[..., ExitCode]:
     """``fn`` unchanged, or wrapped by nvidia-resiliency-ext's in-process restart when ``inprocess_restart.enabled``.
 
-    ``fn(cfg, forward_step_func, restart=None)`` must build every piece of distributed state itself and tear it
-    down on the way out: when wrapped, it is called again in the same process after a fault.
+    ``fn(state, forward_step_func, callbacks, restart=None)`` must build every piece of distributed state itself
+    and tear it down on the way out: when wrapped, it is called again in the same process after a fault.
     """
     if not cfg.inprocess_restart.enabled:
         return fn
@@ -81,9 +92,15 @@ def maybe_wrap_for_inprocess_restart(fn: Callable[..., ExitCode], cfg: ConfigCon
 
 
 def _pretrain(
-    cfg: ConfigContainer, forward_step_func: Callable, restart: Optional[RestartIteration] = None
+    global_state: GlobalState,
+    forward_step_func: Callable,
+    callbacks: Optional[CallbackManager] = None,
+    restart: Optional[RestartIteration] = None,
 ) -> ExitCode:
     """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down."""
+    if restart is not None and restart.iteration > 0:
+        global_state.reset_for_restart()  # every handle of the aborted iteration is rebuilt
+    cfg = global_state.cfg
     start_time = time.time()
     setup_logging(cfg.logger.log_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.mock import build_data_iterator
@@ -103,8 +120,8 @@ def _pretrain(
     ft.on_setup_start()
     hang_watch.open("setup")
     checkpoints = metrics = ctx = None
-    straggler = NVRxStragglerDetectionManager(cfg.nvrx_straggler, rank=rank)
-    signals = DistributedSignalHandler(cfg.train.exit_signal)
+    straggler = global_state.nvrx_straggler_manager
+    signals = global_state.signal_handler
     handlers = contextlib.ExitStack()
     if cfg.train.exit_signal_handler:  # never trap the scheduler's signal unless asked to
         handlers.enter_context(signals)
@@ -141,11 +158,15 @@ def _pretrain(
         model = wrap_data_parallel(build_gpt_model(cfg.model, device))
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
-        state = TrainState()
+        state = global_state.train_state
         checkpoints.load(model, optimizer, scheduler, state)
+        state.do_train = state.step < cfg.train.train_iters
+        resumed_from = checkpoints.resumed["directory"]
+        fire_event(callbacks, "on_checkpoint_load_end", global_state, model, checkpoint_dir=resumed_from)
+        fire_event(callbacks, "on_data_init_start", global_state, model, optimizer=optimizer, scheduler=scheduler)
         rerun.import_state(checkpoints.loaded_rank_extra)
         goodput.resume(
-            checkpoints.loaded_common_extra.get(GOODPUT_ENTRY), state.iteration, checkpoints.resumed["tier"] is not None
+            checkpoints.loaded_common_extra.get(GOODPUT_ENTRY), state.step, checkpoints.resumed["tier"] is not None
         )
         if dist.get_rank() == 0:
             ckpt = cfg.checkpoint
@@ -186,7 +207,9 @@ def _pretrain(
             state=state,
             data_iterator=rerun.wrap_data_iterator(data_iterator),
             # Every loss is checked where the loss function computes it; straggler detection times the forward.
-            forward_step_func=straggler.wrap_forward_step(check_losses(faults.wrap_forward_step(forward_step_func))),
+            forward_step_func=straggler.wrap_forward_step(
+                check_losses(faults.wrap_forward_step(prepare_forward_step_func(forward_step_func, global_state)))
+            ),
             checkpoints=checkpoints,
             metrics=metrics,
             ft=ft,
@@ -198,6 +221,8 @@ def _pretrain(
             liveness=liveness,
             goodput=goodput,
             start_time=start_time,
+            global_state=global_state,
+            callbacks=callbacks,
             **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default
         )
         ft.on_setup_end()
@@ -209,13 +234,13 @@ def _pretrain(
         with goodput.saving():
             checkpoints.close()
         ft.on_train_end(code)
-        goodput.finish(state.iteration, f"{code.name} (exit code {int(code)})")
+        goodput.finish(state.step, f"{code.name} (exit code {int(code)})")
         if rerun.transient_errors:
             logger.warning(
                 "re-run state machine: %d transient fault(s) detected; each step was re-run and training went on",
                 rerun.transient_errors,
             )
-        logger.info("training stopped at iteration %d: %s (exit code %d)", state.iteration, reason, int(code))
+        logger.info("training stopped at iteration %d: %s (exit code %d)", state.step, reason, int(code))
         return code
     except BaseException as err:
         if checkpoints is not None:

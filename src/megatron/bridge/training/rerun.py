@@ -238,7 +238,7 @@ class RerunController:
 
     def _nan_guard(self, step: int, losses: list[dict]) -> StepVerdict:
         """Every rank learns whether any rank's loss was NaN/Inf (one all-reduce); skip the step or stop."""
-        local = [x["lm loss"] for x in losses]
+        local = [value for x in losses for value in x.values()]  # every reported loss, whatever its name
         device = local[0].device if local else torch.device("cpu")
         bad = torch.tensor([0 if all(torch.isfinite(v).all() for v in local) else 1], dtype=torch.int32, device=device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training.callbacks import CallbackManager, fire_event, should_fire
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
@@ -43,7 +44,7 @@ from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.rerun import RerunController, StepVerdict
-from megatron.bridge.training.state import TrainState
+from megatron.bridge.training.state import GlobalState, TrainState
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, StopDeadline
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class TrainContext:
     liveness: LivenessPing
     goodput: GoodputTracker
     start_time: float
+    global_state: GlobalState
+    """What callbacks and a forward step taking ``state`` see; ``global_state.train_state`` is ``state``."""
+    callbacks: Optional[CallbackManager] = None
+    """User callbacks (``pretrain(..., callbacks=...)``)."""
     report_progress: Callable[[], None] = lambda: None
     """Called after every completed step and save: in-process restart's progress watchdog declares a rank that
     stops calling it hung after ``inprocess_restart.soft_timeout``."""
@@ -78,8 +83,11 @@ class TrainContext:
     """Running while a preempted run saves and exits."""
 
 
-def train_step(ctx: TrainContext, log_this_step: bool) -> tuple[dict[str, float], StepVerdict]:
-    """Run one step over a global batch; return metrics (the loss only when ``log_this_step``) and the verdict.
+def train_step(ctx: TrainContext, with_losses: bool) -> tuple[dict[str, float], dict[str, torch.Tensor], StepVerdict]:
+    """Run one step over a global batch; return its metrics, its losses (when ``with_losses``) and the verdict.
+
+    The losses are each reported loss averaged over the step (:func:`reduce_losses`); the metrics carry them as
+    floats.
 
     The optimizer steps only when the verdict says so (not for a skipped NaN step or a re-run stop).
     """
@@ -92,7 +100,7 @@ def train_step(ctx: TrainContext, log_this_step: bool) -> tuple[dict[str, float]
     start = time.perf_counter()
     losses: list[dict] = []
     rerun_from: Optional[float] = None
-    for n in ctx.rerun.passes(ctx.data_iterator, ctx.state.iteration):
+    for n in ctx.rerun.passes(ctx.data_iterator, ctx.state.step):
         if n == 1:
             rerun_from = time.perf_counter()  # the passes after the first are goodput's ``rerun`` time
         ctx.model.zero_grad_buffer()
@@ -108,7 +116,7 @@ def train_step(ctx: TrainContext, log_this_step: bool) -> tuple[dict[str, float]
         )
     if rerun_from is not None:
         ctx.goodput.add_rerun(time.perf_counter() - rerun_from)
-    verdict = ctx.rerun.end_step(ctx.state.iteration, losses)
+    verdict = ctx.rerun.end_step(ctx.state.step, losses)
     metrics: dict[str, float] = {"grad norm": float("nan"), "lr": ctx.scheduler.get_lr(ctx.optimizer.param_groups[0])}
     if verdict.apply:
         update_ok, grad_norm, _ = ctx.optimizer.step()
@@ -117,11 +125,40 @@ def train_step(ctx: TrainContext, log_this_step: bool) -> tuple[dict[str, float]
         metrics["grad norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = ctx.scheduler.get_lr(ctx.optimizer.param_groups[0])
     metrics["step time"] = time.perf_counter() - start
-    if log_this_step and verdict.stop is None:
-        loss = torch.stack([x["lm loss"] for x in losses]).mean()
-        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        metrics["lm loss"] = (loss / dp_size).item()
-    return metrics, verdict
+    loss_dict = reduce_losses(losses) if with_losses and verdict.stop is None and losses else {}
+    metrics.update({name: value.item() for name, value in loss_dict.items()})
+    return metrics, loss_dict, verdict
+
+
+def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each reported loss averaged over the step's micro-batches and data-parallel ranks.
+
+    A loss function reports either one value per micro-batch (averaged over micro-batches), or ``[sum, count]``
+    (``losses.masked_next_token_loss``; averaged over every counted token of the step).
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    reduced = {}
+    for name in losses[0]:
+        values = torch.stack([x[name].detach().float().reshape(-1) for x in losses])
+        if values.shape[1] == 2:
+            total = values.sum(dim=0)
+            dist.all_reduce(total, group=group)
+            reduced[name] = total[0] / total[1].clamp(min=1)
+        else:
+            mean = values.mean(dim=0)
+            dist.all_reduce(mean, group=group)
+            reduced[name] = mean[0] / dp_size
+    return reduced
+
+
+def _fire(ctx: TrainContext, event: str, **fields: Any) -> None:
+    """Run the callbacks of ``event`` (nothing is built when there are none)."""
+    fire_event(
+        ctx.callbacks, event, ctx.global_state, ctx.model, optimizer=ctx.optimizer, scheduler=ctx.scheduler, **fields
+    )
 
 
 def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
@@ -132,7 +169,7 @@ def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
     train = ctx.cfg.train
     if not train.exit_signal_handler and train.exit_duration_in_mins is None:
         return False, False
-    signalled = ctx.signals.signals_received()
+    signalled = ctx.signals.received  # agreed below, with the duration flag, in one all-reduce
     elapsed_min = (time.time() - ctx.start_time) / 60.0
     timed_out = train.exit_duration_in_mins is not None and elapsed_min >= train.exit_duration_in_mins
     device = next(ctx.model.parameters()).device
@@ -143,17 +180,17 @@ def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
 
 def check_nvrx_straggler_detection(ctx: TrainContext) -> Optional[str]:
     """Let straggler detection count this step; on a report step, log its scores and return a stop reason, if any."""
-    result = ctx.straggler.check(ctx.state.iteration)
+    result = ctx.straggler.check(ctx.state.step)
     if result is None:
         return None
     if result.scalars:
-        ctx.metrics.log_scalars(result.scalars, ctx.state.iteration)
+        ctx.metrics.log_scalars(result.scalars, ctx.state.step)
     return result.stop_reason
 
 
 def exit_condition(ctx: TrainContext, straggler_stop: Optional[str] = None) -> Optional[tuple[ExitCode, str]]:
     """The reason to stop after this step, if any (finishing wins over every early stop)."""
-    train, it = ctx.cfg.train, ctx.state.iteration
+    train, it = ctx.cfg.train, ctx.state.step
     if it >= train.train_iters:
         return ExitCode.FINISHED, f"reached train.train_iters={train.train_iters}"
     signalled, timed_out = _agreed_stop_flags(ctx)
@@ -193,14 +230,7 @@ def stop_before_step(ctx: TrainContext, verdict: StepVerdict) -> tuple[ExitCode,
     ctx.ft.on_step_end()
     ctx.hang_watch.close()
     if verdict.checkpoint == "force" or (verdict.checkpoint == "if_due" and _should_save(ctx, stopping=True)):
-        ctx.ft.on_checkpoint_start()
-        ctx.hang_watch.open("checkpointing")
-        with ctx.goodput.saving(ctx.state.iteration):
-            ctx.checkpoints.save(
-                ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, rank_extra=ctx.rerun.export_state()
-            )
-        ctx.ft.on_checkpoint_end()
-        ctx.hang_watch.close()
+        _save(ctx, ctx.checkpoints.save, rank_extra=ctx.rerun.export_state())
     return verdict.stop
 
 
@@ -208,9 +238,9 @@ def _should_save(ctx: TrainContext, stopping: bool) -> bool:
     ckpt = ctx.cfg.checkpoint
     if ckpt.save is None:
         return False
-    if ctx.checkpoints.last_saved_iteration == ctx.state.iteration:
+    if ctx.checkpoints.last_saved_iteration == ctx.state.step:
         return False
-    return stopping or (ckpt.save_interval is not None and ctx.state.iteration % ckpt.save_interval == 0)
+    return stopping or (ckpt.save_interval is not None and ctx.state.step % ckpt.save_interval == 0)
 
 
 def _due_save(ctx: TrainContext, stopping: bool) -> Optional[Callable[..., None]]:
@@ -218,7 +248,7 @@ def _due_save(ctx: TrainContext, stopping: bool) -> Optional[Callable[..., None]
     if _should_save(ctx, stopping):
         return ctx.checkpoints.save
     interval = ctx.cfg.checkpoint.non_persistent_save_interval
-    if interval is not None and ctx.state.iteration % interval == 0:
+    if interval is not None and ctx.state.step % interval == 0:
         return ctx.checkpoints.save_local
     return None
 
@@ -226,34 +256,42 @@ def _due_save(ctx: TrainContext, stopping: bool) -> Optional[Callable[..., None]
 def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     """Train until an exit condition holds; return its code and reason. Every rank runs the same sequence."""
     cfg = ctx.cfg
-    if ctx.state.iteration >= cfg.train.train_iters:
+    if ctx.state.step >= cfg.train.train_iters:
         return ExitCode.FINISHED, f"checkpoint is already at train.train_iters={cfg.train.train_iters}"
     ctx.model.train()
+    _fire(ctx, "on_train_start")
     while True:
         ctx.goodput.step_start()  # the first one ends this attempt's start-up
         ctx.ft.on_step_start()
         ctx.hang_watch.open("step")
-        ctx.faults.before_step(ctx.state.iteration + 1)
-        ctx.liveness.maybe_ping(ctx.state.iteration + 1)  # before any collective of the step, a save commit too
+        ctx.faults.before_step(ctx.state.step + 1)
+        ctx.liveness.maybe_ping(ctx.state.step + 1)  # before any collective of the step, a save commit too
         with ctx.goodput.saving():
             ctx.checkpoints.finalize(blocking=False)
-        log_this_step = (ctx.state.iteration + 1) % cfg.logger.log_interval == 0
+        log_this_step = (ctx.state.step + 1) % cfg.logger.log_interval == 0
+        _fire(ctx, "on_train_step_start")
         with ctx.straggler.step_section():
-            metrics, verdict = train_step(ctx, log_this_step)
+            metrics, loss_dict, verdict = train_step(
+                ctx, with_losses=log_this_step or should_fire(ctx.callbacks, "on_train_step_end")
+            )
         ctx.goodput.step_end(metrics["step time"], kept=verdict.apply)  # productive, or else ``rerun`` time
+        applied = {"loss_dict": loss_dict, "grad_norm": metrics["grad norm"], "skipped_iter": not verdict.apply}
+        _fire(ctx, "on_train_step_end", **applied)
         if verdict.skipped or verdict.stop is not None:
-            blamed = ctx.checkpoints.blame_local_tier(ctx.state.iteration + 1)
+            blamed = ctx.checkpoints.blame_local_tier(ctx.state.step + 1)
             if blamed is not None:  # the state came from a suspect local checkpoint: save nothing of it
                 ctx.ft.on_step_end()
                 ctx.hang_watch.close()
                 return ExitCode.LOCAL_CHECKPOINT_REJECTED, blamed
         if verdict.stop is not None:  # the step was not applied: the iteration stays where it was
             return stop_before_step(ctx, verdict)
-        ctx.state.iteration += 1
+        ctx.state.step += 1
         ctx.state.consumed_train_samples += cfg.train.global_batch_size
+        if verdict.skipped:
+            ctx.state.skipped_train_samples += cfg.train.global_batch_size
         if log_this_step:
-            ctx.metrics.log_step(ctx.state.iteration, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
-            ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.iteration), ctx.state.iteration)
+            ctx.metrics.log_step(ctx.state.step, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
+            ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.step), ctx.state.step)
         straggler_stop = check_nvrx_straggler_detection(ctx)
         stop = exit_condition(ctx, straggler_stop)
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
@@ -263,12 +301,21 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         ctx.report_progress()
         save = _due_save(ctx, stopping=stop is not None)
         if save is not None:
-            ctx.ft.on_checkpoint_start()
-            ctx.hang_watch.open("checkpointing")
-            with ctx.goodput.saving(ctx.state.iteration):
-                save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)
-            ctx.ft.on_checkpoint_end()
-            ctx.hang_watch.close()
+            _save(ctx, save)
             ctx.report_progress()  # a save longer than inprocess_restart.soft_timeout is taken for a hang
         if stop is not None:
+            if stop[0] == ExitCode.FINISHED:  # as in Megatron-Bridge: not on an early exit
+                _fire(ctx, "on_train_end")
             return stop
+
+
+def _save(ctx: TrainContext, save: Callable[..., None], **extra: Any) -> None:
+    """One checkpoint save inside fault tolerance's ``checkpointing`` section, watched, counted by goodput."""
+    ctx.ft.on_checkpoint_start()
+    ctx.hang_watch.open("checkpointing")
+    _fire(ctx, "on_checkpoint_save_start")
+    with ctx.goodput.saving(ctx.state.step):
+        save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, **extra)
+    _fire(ctx, "on_checkpoint_save_end")
+    ctx.ft.on_checkpoint_end()
+    ctx.hang_watch.close()

@@ -11,15 +11,27 @@ from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, S
 def test_handler_records_a_real_signal_and_restores_the_previous_one():
     previous = signal.getsignal(signal.SIGUSR1)
     with DistributedSignalHandler(signal.SIGUSR1) as handler:
-        assert not handler.signals_received()
+        assert handler.signals_received() == [False] and not handler.received
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.01)  # delivered between bytecodes
-        assert handler.signals_received()
+        assert handler.signals_received() == [True] and handler.received
         first = handler.received_at
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.01)
         assert handler.received_at == first  # the first receipt counts
+        assert not handler.released
     assert signal.getsignal(signal.SIGUSR1) is previous
+    assert handler.released and handler.release() is False  # released once, by leaving the with
+
+
+def test_release_restores_the_previous_handler_once():
+    previous = signal.getsignal(signal.SIGUSR2)
+    handler = DistributedSignalHandler(signal.SIGUSR2).__enter__()
+    assert signal.getsignal(signal.SIGUSR2) is not previous
+    assert handler.release() is True and handler.released
+    assert signal.getsignal(signal.SIGUSR2) is previous
+    assert handler.release() is False
+    assert DistributedSignalHandler(signal.SIGUSR2).release() is False  # never entered: nothing to release
 
 
 def test_handler_outside_the_main_thread_installs_nothing():

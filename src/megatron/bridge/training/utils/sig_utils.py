@@ -4,7 +4,7 @@ A scheduler about to preempt a job (Slurm's ``--signal``, a time limit, a higher
 down sends a signal that may reach only some of the ranks. :class:`DistributedSignalHandler` records it in the
 receiving process; at every step boundary the train loop ORs the flag across ranks (one small all-reduce, shared
 with the other stop flags), so all ranks agree on the step after which they save and exit with
-``ExitCode.PREEMPTED``.
+``ExitCode.PREEMPTED``. ``signals_received()`` is the same agreement (an all-gather) for code of its own.
 
 :class:`StopDeadline` bounds the time from the signal to the exit: the scheduler's SIGKILL follows its signal after
 a fixed time, and a process still saving by then gets killed anyway. Checkpoint commits are atomic, so a save cut
@@ -15,7 +15,7 @@ Example:
     >>> with DistributedSignalHandler(signal.SIGTERM) as handler:
     ...     while training:
     ...         step()
-    ...         if any_rank(handler.signals_received()):
+    ...         if any(handler.signals_received()):  # a collective: every rank calls it
     ...             break
 """
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class DistributedSignalHandler:
-    """Records ``sig`` in this process while active; the previous handler is restored on exit.
+    """Records ``sig`` in this process while active; :meth:`release` (or leaving ``with``) restores the old handler.
 
     Installed only from the main thread (Python delivers signals there); elsewhere it warns and records nothing.
     """
@@ -41,12 +41,32 @@ class DistributedSignalHandler:
         self.sig = signal.Signals(sig)
         self.received_at: Optional[float] = None
         """``time.monotonic()`` of the first receipt, or ``None``."""
+        self.released = False
+        """The previous handler is back (set by :meth:`release`)."""
         self._previous: Any = None
         self._installed = False
 
-    def signals_received(self) -> bool:
-        """Whether this process has received the signal (a local answer; OR it across ranks)."""
+    @property
+    def received(self) -> bool:
+        """Whether this process has received the signal (a local answer, no communication)."""
         return self.received_at is not None
+
+    def signals_received(self) -> list[bool]:
+        """Whether each rank has received the signal, in rank order; ``any(...)`` of it is the decision.
+
+        A collective when ``torch.distributed`` is initialized: every rank must call it at the same point. Without
+        it, a one-element list for this process.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return [self.received]
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        mine = torch.tensor([int(self.received)], dtype=torch.int32, device=device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return [bool(t.item()) for t in every]
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received_at is None:
@@ -54,6 +74,8 @@ class DistributedSignalHandler:
             logger.warning("Received signal %d, initiating graceful stop", signum)
 
     def __enter__(self) -> "DistributedSignalHandler":
+        self.received_at = None
+        self.released = False
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not in the main thread: %s is not handled; the process will die on it", self.sig.name)
             return self
@@ -62,9 +84,16 @@ class DistributedSignalHandler:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(self.sig, self._previous)
-            self._installed = False
+        self.release()
+
+    def release(self) -> bool:
+        """Restore the handler that was there before; ``False`` when there was nothing to release."""
+        if self.released or not self._installed:
+            return False
+        signal.signal(self.sig, self._previous)
+        self._installed = False
+        self.released = True
+        return True
 
 
 def ignore_in_worker(sig: int, worker_id: int = 0) -> None:

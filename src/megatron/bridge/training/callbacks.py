@@ -1,0 +1,187 @@
+"""Callbacks: code that runs at named moments of training, user code and this package's own features alike.
+
+The event names are Megatron-Bridge's, so a callback written for it runs here unchanged. A callback is either a
+:class:`Callback` subclass that overrides the events it cares about, or a plain function registered for one event
+with :meth:`CallbackManager.register`. Functions of one event run in the order they were added; an exception in a
+callback propagates and stops training like any other error in the loop.
+
+Checkpoint events (``on_checkpoint_save_start``/``_end``, ``on_checkpoint_load_end``) are this package's additions:
+Megatron-Bridge has no such moments, and a callback that does not override them never sees them.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+TRAIN_EVENTS = ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end")
+EVAL_EVENTS = ("on_eval_start", "on_eval_step_start", "on_eval_step_end", "on_eval_end")
+TEST_EVENTS = ("on_test_start", "on_test_step_start", "on_test_step_end", "on_test_end")
+CHECKPOINT_EVENTS = ("on_checkpoint_save_start", "on_checkpoint_save_end", "on_checkpoint_load_end")
+
+VALID_EVENTS: frozenset[str] = frozenset(
+    ("on_data_init_start", *TRAIN_EVENTS, *EVAL_EVENTS, *TEST_EVENTS, *CHECKPOINT_EVENTS)
+)
+"""Every event a callback may handle."""
+
+
+@dataclass
+class CallbackContext:
+    """What a callback sees. Fields that do not apply to an event are ``None``."""
+
+    state: Any
+    """The run's ``GlobalState`` (config, ``train_state`` with ``step`` and ``consumed_train_samples``, ...)."""
+    model: list
+    """The model chunks being trained (one per virtual pipeline stage)."""
+    user_state: dict = field(default_factory=dict)
+    """One dict shared by every event of the run: a callback keeps its own data here between events."""
+    optimizer: Any = None
+    """The optimizer (training events and ``on_data_init_start``)."""
+    scheduler: Any = None
+    """The learning-rate scheduler (training events and ``on_data_init_start``)."""
+    loss_dict: Optional[dict[str, Any]] = None
+    """``on_train_step_end``: the step's reduced losses, e.g. ``{"lm loss": tensor}``; empty for a step that was
+    not applied."""
+    grad_norm: Optional[float] = None
+    """``on_train_step_end``: the gradient norm before clipping (``None`` when the step was not applied)."""
+    skipped_iter: Optional[bool] = None
+    """``on_train_step_end``: ``True`` when the optimizer step was skipped (e.g. a NaN loss was skipped)."""
+    total_loss_dict: Optional[dict[str, Any]] = None
+    """``on_eval_end``/``on_test_end``: the losses averaged over the evaluation."""
+    checkpoint_dir: Optional[str] = None
+    """``on_checkpoint_load_end``: the checkpoint the run resumed from (``None`` when it started from scratch)."""
+
+
+class Callback:
+    """Base class: override the events to handle; each receives a :class:`CallbackContext` and returns nothing."""
+
+    def on_data_init_start(self, context: CallbackContext) -> None:
+        """Model, optimizer and checkpoint are ready; the data iterators are about to be built."""
+
+    def on_train_start(self, context: CallbackContext) -> None:
+        """Right before the first training step of this run (after a resume, the first step after it)."""
+
+    def on_train_step_start(self, context: CallbackContext) -> None:
+        """Before each training step; ``state.train_state.step`` is the number of steps done so far."""
+
+    def on_train_step_end(self, context: CallbackContext) -> None:
+        """After each training step that ran, before ``state.train_state.step`` counts it."""
+
+    def on_train_end(self, context: CallbackContext) -> None:
+        """Training reached ``train.train_iters``, or stopped early on purpose (signal, exit interval, straggler)."""
+
+    def on_eval_start(self, context: CallbackContext) -> None:
+        """Before an evaluation on the validation data."""
+
+    def on_eval_step_start(self, context: CallbackContext) -> None:
+        """Before each evaluation step."""
+
+    def on_eval_step_end(self, context: CallbackContext) -> None:
+        """After each evaluation step."""
+
+    def on_eval_end(self, context: CallbackContext) -> None:
+        """After an evaluation; ``total_loss_dict`` holds its averaged losses."""
+
+    def on_test_start(self, context: CallbackContext) -> None:
+        """Before the evaluation on the test data."""
+
+    def on_test_step_start(self, context: CallbackContext) -> None:
+        """Before each test step."""
+
+    def on_test_step_end(self, context: CallbackContext) -> None:
+        """After each test step."""
+
+    def on_test_end(self, context: CallbackContext) -> None:
+        """After the test evaluation; ``total_loss_dict`` holds its averaged losses."""
+
+    def on_checkpoint_save_start(self, context: CallbackContext) -> None:
+        """Before a checkpoint is saved (global or local tier)."""
+
+    def on_checkpoint_save_end(self, context: CallbackContext) -> None:
+        """After a checkpoint save returned (an async save may still be writing)."""
+
+    def on_checkpoint_load_end(self, context: CallbackContext) -> None:
+        """After the run resumed from a checkpoint, or found none to resume from (``checkpoint_dir`` is ``None``)."""
+
+
+class CallbackManager:
+    """The callbacks of one run, by event, in the order they run."""
+
+    def __init__(self) -> None:
+        self._callbacks: dict[str, list[Callable[[CallbackContext], None]]] = {e: [] for e in VALID_EVENTS}
+        self._user_state: dict = {}
+
+    @property
+    def user_state(self) -> dict:
+        """The dict every :class:`CallbackContext` of this run carries as ``user_state``."""
+        return self._user_state
+
+    @property
+    def events(self) -> frozenset[str]:
+        """Every valid event name."""
+        return VALID_EVENTS
+
+    def add(self, callback: Union[Callback, Iterable[Callback]]) -> None:
+        """Register the events each callback overrides (one callback or several)."""
+        for cb in [callback] if isinstance(callback, Callback) else list(callback):
+            if not isinstance(cb, Callback):
+                raise TypeError(
+                    f"callbacks: {cb!r} is not a Callback; subclass megatron.bridge.training.callbacks.Callback, "
+                    "or register a function with CallbackManager.register(event_name, fn)"
+                )
+            for event in VALID_EVENTS:
+                if getattr(type(cb), event) is not getattr(Callback, event):
+                    self._callbacks[event].append(getattr(cb, event))
+
+    def register(self, event_name: str, fn: Callable[[CallbackContext], None]) -> None:
+        """Run ``fn(context)`` at ``event_name``, after the functions already registered there."""
+        self._check(event_name)
+        self._callbacks[event_name].append(fn)
+
+    def list_callbacks(self, event_name: str) -> list[Callable[[CallbackContext], None]]:
+        """The functions of ``event_name`` in the order they run (a copy)."""
+        self._check(event_name)
+        return list(self._callbacks[event_name])
+
+    def has_callbacks(self, event_name: str) -> bool:
+        """Whether anything is registered for ``event_name``."""
+        return bool(self._callbacks.get(event_name))
+
+    def fire(self, event_name: str, context: CallbackContext) -> None:
+        """Run every function of ``event_name`` with ``context``, in order."""
+        self._check(event_name)
+        for fn in self._callbacks[event_name]:
+            fn(context)
+
+    @staticmethod
+    def _check(event_name: str) -> None:
+        if event_name not in VALID_EVENTS:
+            raise ValueError(f"Unknown event {event_name!r}. Valid events: {', '.join(sorted(VALID_EVENTS))}")
+
+
+def normalize_callbacks(
+    callbacks: Union[None, CallbackManager, Callback, Iterable[Callback]],
+) -> Optional[CallbackManager]:
+    """``pretrain``'s ``callbacks`` argument as a manager: ``None`` stays ``None``; a list gets a new manager."""
+    if callbacks is None or isinstance(callbacks, CallbackManager):
+        return callbacks
+    manager = CallbackManager()
+    manager.add(callbacks)
+    return manager
+
+
+def should_fire(callback_manager: Optional[CallbackManager], event_name: str) -> bool:
+    """Whether ``event_name`` has anything to run (build the context only then)."""
+    return callback_manager is not None and callback_manager.has_callbacks(event_name)
+
+
+def fire_event(
+    callback_manager: Optional[CallbackManager], event_name: str, state: Any, model: Any, **fields: Any
+) -> None:
+    """Run the callbacks of ``event_name`` with a context of ``state``, ``model`` and ``fields``.
+
+    The context is built only when something is registered for the event.
+    """
+    if should_fire(callback_manager, event_name):
+        chunks = model if isinstance(model, list) else [model]
+        context = CallbackContext(state=state, model=chunks, user_state=callback_manager.user_state, **fields)
+        callback_manager.fire(event_name, context)

@@ -1,0 +1,30 @@
+"""The language-model loss of one micro-batch, in the form megatron-core's schedule and Megatron-Bridge expect."""
+
+import torch
+
+
+def masked_next_token_loss(
+    loss_mask: torch.Tensor,
+    output_tensor: torch.Tensor,
+    check_for_nan_in_loss: bool = True,
+    check_for_spiky_loss: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of the per-token losses where ``loss_mask`` is set, the number of such tokens, and the value to report.
+
+    megatron-core's schedule divides the sum by the token count (and by the number of micro-batches) before the
+    backward pass; the reported ``{"lm loss": [sum, count]}`` lets the loop average over every token of the step.
+
+    Args:
+        loss_mask: 1 where a token counts, 0 where it does not; any shape with as many elements as the output.
+        output_tensor: per-token losses from the model (called with ``labels``).
+        check_for_nan_in_loss: accepted for Megatron-Bridge compatibility. Every loss of every forward step is
+            checked by the loop as ``rerun_state_machine.check_for_nan_in_loss`` says, whatever is passed here.
+        check_for_spiky_loss: likewise, ``rerun_state_machine.check_for_spiky_loss`` decides.
+    """
+    del check_for_nan_in_loss, check_for_spiky_loss  # the loop checks every loss (``rerun.check_losses``)
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    reported = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": reported}

@@ -1,0 +1,45 @@
+"""TrainState round trips (ours, older ones, Megatron-Bridge's tensors) and GlobalState's lazy handles."""
+
+import signal
+
+import torch
+
+from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.state import FaultToleranceState, GlobalState, TrainState
+
+
+def test_train_state_round_trip_and_older_forms():
+    state = TrainState(step=7, consumed_train_samples=56, skipped_train_samples=8, do_train=True)
+    again = TrainState()
+    again.load_state_dict(state.state_dict())
+    assert again == state
+
+    legacy = TrainState()
+    legacy.load_state_dict({"iteration": 5, "consumed_train_samples": 40})  # written by an older version
+    assert (legacy.step, legacy.consumed_train_samples, legacy.skipped_train_samples) == (5, 40, 0)
+
+    from_tensors = TrainState()
+    from_tensors.load_state_dict({"step": torch.tensor(3, dtype=torch.int32), "do_valid": torch.tensor(True)})
+    assert from_tensors.step == 3 and type(from_tensors.step) is int and from_tensors.do_valid is True
+
+
+def test_global_state_builds_its_handles_once_and_a_restart_forgets_them():
+    cfg = ConfigContainer()
+    cfg.train.exit_signal = signal.SIGUSR1
+    state = GlobalState()
+    state.cfg = cfg
+    assert state.cfg is cfg
+    assert state.train_state is state.train_state
+    assert isinstance(state.fault_tolerance_state, FaultToleranceState)
+    handler = state.signal_handler
+    assert handler is state.signal_handler and handler.sig == signal.SIGUSR1
+    manager = state.nvrx_straggler_manager
+    assert manager is state.nvrx_straggler_manager and manager.config is cfg.nvrx_straggler
+
+    state.train_state.step = 4
+    ft = state.fault_tolerance_state
+    state.reset_for_restart()
+    assert state.train_state.step == 0
+    assert state.signal_handler is not handler
+    assert state.nvrx_straggler_manager is not manager
+    assert state.fault_tolerance_state is ft and state.cfg is cfg  # kept over a restart
