@@ -14,7 +14,7 @@ import torch
 from megatron.bridge.training import fault_injection
 from megatron.bridge.training.config import ConfigContainer, FaultInjectionConfig
 from megatron.bridge.training.fault_injection import Fault, FaultRegistry, StepFaults, parse
-from megatron.bridge.training.fault_tolerance import FaultTolerance
+from megatron.bridge.training.fault_tolerance import maybe_setup_simulated_fault
 from megatron.bridge.training.utils.overrides import apply_overrides
 
 
@@ -337,8 +337,10 @@ def test_a_timer_armed_before_an_in_process_restart_does_not_strike_after_it(mon
 
 def test_config_and_environment_faults_both_apply(monkeypatch):
     monkeypatch.setenv(fault_injection.ENV, "kill@9:1")
-    installed = fault_injection.install(FaultInjectionConfig(faults="nan@8:0:local_save"), extra=[Fault("hang", 3, 0)])
+    installed = fault_injection.install(FaultInjectionConfig(faults="nan@8:0:local_save"))
+    installed.add(Fault("hang", 3, 0))
     assert [str(f) for f in installed.faults] == ["nan@8:0:local_save", "kill@9:1", "hang@3:0"]
+    assert [str(f) for f in installed.pending(0, [fault_injection.STEP])] == ["hang@3:0"]
     assert fault_injection.registry() is installed
 
 
@@ -391,14 +393,19 @@ def test_validate_accepts_faults_from_both_sources(monkeypatch, tmp_path):
 )
 def test_simulate_fault_is_a_timed_registry_fault(fields, world_size, expected):
     cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true", "ft.simulate_fault=true", *fields])
-    assert [str(f) for f in FaultTolerance(cfg, rank=0, world_size=world_size).simulated_faults()] == [expected]
+    installed = fault_injection.install(FaultInjectionConfig())
+    armed = maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed, world_size=world_size)
+    assert [str(f) for f in armed] == [expected]
+    assert [str(f) for f in installed.faults] == [expected]  # in the registry the loop takes faults from
 
 
 def test_a_random_simulated_fault_is_the_same_on_every_rank_and_follows_the_seed():
     def chosen(seed: int, rank: int) -> list[str]:
         cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true", "ft.simulate_fault=true"])
         cfg.rng.seed = seed
-        return [str(f) for f in FaultTolerance(cfg, rank=rank, world_size=8).simulated_faults()]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RANK", str(rank))
+            return [str(f) for f in maybe_setup_simulated_fault(cfg.ft, seed=seed, world_size=8)]
 
     picks = {seed: chosen(seed, 0) for seed in range(20)}
     assert all(chosen(seed, 5) == pick for seed, pick in picks.items())
@@ -409,4 +416,6 @@ def test_a_random_simulated_fault_is_the_same_on_every_rank_and_follows_the_seed
 
 def test_simulated_fault_off_adds_nothing():
     cfg = apply_overrides(ConfigContainer(), ["ft.simulated_fault_type=rank_hung", "ft.simulated_fault_rank=1"])
-    assert FaultTolerance(cfg, rank=1, world_size=2).simulated_faults() == []
+    installed = fault_injection.install(FaultInjectionConfig())
+    assert maybe_setup_simulated_fault(cfg.ft, seed=1, world_size=2) == [] and installed.faults == []
+    assert maybe_setup_simulated_fault(None) == []  # no ft section at all

@@ -5,8 +5,9 @@ import datetime
 import pytest
 
 from megatron.bridge.training.config import ConfigContainer, InProcessRestartConfig
-from megatron.bridge.training.inprocess_restart import RestartIteration, build_wrapper
+from megatron.bridge.training.inprocess_restart import RestartIteration, build_wrapper, maybe_wrap_for_inprocess_restart
 from megatron.bridge.training.pretrain import _Teardown
+from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.utils.overrides import apply_overrides
 
 inprocess = pytest.importorskip("nvidia_resiliency_ext.inprocess")
@@ -192,3 +193,13 @@ def test_nemo_run_plugins_refuse_a_task_with_inprocess_restart(plugin_name):
     with pytest.raises(ValueError, match="cannot be combined with inprocess_restart.enabled=true"):
         getattr(run_plugins, plugin_name)().setup(task, executor)
     assert task.args == ["inprocess_restart.enabled=on"] and executor.launcher is None  # nothing changed
+
+
+def test_maybe_wrap_returns_the_function_and_a_store_as_megatron_bridge_does(ipr_env):
+    def train_fn(*args, **kwargs):
+        return "trained"
+
+    assert maybe_wrap_for_inprocess_restart(train_fn, InProcessRestartConfig(), GlobalState()) == (train_fn, None)
+    assert maybe_wrap_for_inprocess_restart(train_fn, None, GlobalState()) == (train_fn, None)
+    wrapped, store = maybe_wrap_for_inprocess_restart(train_fn, InProcessRestartConfig(enabled=True), GlobalState())
+    assert wrapped is not train_fn and callable(wrapped) and store is None  # each call makes its own store

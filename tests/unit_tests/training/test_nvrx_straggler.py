@@ -15,6 +15,8 @@ from megatron.bridge.training.nvrx_straggler import (
     NVRxStragglerDetectionManager,
     ScoreBlock,
     StragglerReport,
+    check_nvrx_straggler_detection,
+    safe_shutdown_nvrx_straggler_manager,
 )
 
 NAN = float("nan")
@@ -104,10 +106,26 @@ def test_disabled_manager_changes_nothing():
         return 1
 
     assert manager.wrap_forward_step(step) is step
+    assert manager.wrap_train_step_function(step) is step
     with manager.step_section():
         pass
     assert manager.check(1) is None
+    assert check_nvrx_straggler_detection(manager) is False and manager.last_check is None
+    assert check_nvrx_straggler_detection(None) is False
     manager.shutdown()
+
+
+def test_safe_shutdown_logs_a_failure_and_goes_on(caplog):
+    manager = NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig())
+
+    def broken():
+        raise RuntimeError("detector gone")
+
+    manager.shutdown = broken
+    with caplog.at_level("ERROR"):
+        safe_shutdown_nvrx_straggler_manager(manager, logger_name="test_straggler")
+        safe_shutdown_nvrx_straggler_manager(None)
+    assert "shutdown failed" in caplog.text and "detector gone" in caplog.text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the CPU path of the detector")
@@ -119,12 +137,13 @@ def test_real_detector_reports_on_one_process(caplog):
     manager.initialize()
     try:
         forward = manager.wrap_forward_step(lambda: time.sleep(0.001))
+        train_step = manager.wrap_train_step_function(forward)  # Megatron-Bridge's way of timing the step
         results = []
         with caplog.at_level("INFO"):
-            for iteration in range(1, 60):
-                with manager.step_section():
-                    forward()
-                results.append(manager.check(iteration))
+            for _ in range(1, 60):
+                train_step()
+                assert check_nvrx_straggler_detection(manager) is False  # no stop without stop_if_detected
+                results.append(manager.last_check)
     finally:
         manager.shutdown()
     done = [r for r in results if r is not None]

@@ -255,16 +255,25 @@ class FaultRegistry:
     """
 
     def __init__(self, faults: Iterable[Fault], ledger: Optional[str] = None, inprocess_iteration: int = 0) -> None:
-        self.faults = list(faults)
+        self.faults: list[Fault] = []
         self.ledger = ledger
-        if ledger:
-            done = {r.get("fault") for r in struck_faults(ledger)}
-            self._due = [f for f in self.faults if f.always or str(f) not in done]
-        else:
-            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
-            self._due = [f for f in self.faults if f.always or first]
+        self._done = {r.get("fault") for r in struck_faults(ledger)} if ledger else set()
+        self._first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
+        self._due: list[Fault] = []
+        for fault in faults:
+            self.add(fault)
         self.replaced = False
         """Set when another registry is installed (an in-process restart): its armed timers no longer strike."""
+
+    def add(self, fault: Fault) -> None:
+        """One more fault of the job.
+
+        It is due in this attempt if it never struck (with a ledger), else if this is the job's first attempt, or
+        always with ``:always``.
+        """
+        self.faults.append(fault)
+        if fault.always or (str(fault) not in self._done if self.ledger else self._first):
+            self._due.append(fault)
 
     def pending(self, rank: int, phases: Iterable[str]) -> list[Fault]:
         """The faults of ``rank`` in ``phases`` still due in this attempt."""
@@ -306,10 +315,13 @@ class FaultRegistry:
 _active: Optional[FaultRegistry] = None
 
 
-def install(cfg: "FaultInjectionConfig", inprocess_iteration: int = 0, extra: Iterable[Fault] = ()) -> FaultRegistry:
-    """Make the faults of ``cfg``, ``$MBRIDGE_FAULTS`` and ``extra`` the ones of this process (at each start)."""
+def install(cfg: "FaultInjectionConfig", inprocess_iteration: int = 0) -> FaultRegistry:
+    """Make the faults of ``cfg`` and ``$MBRIDGE_FAULTS`` the ones of this process (at each start).
+
+    More may be added with :meth:`FaultRegistry.add` (``ft.simulate_fault`` is).
+    """
     global _active
-    faults = [*parse(cfg.faults or "", "fault_injection.faults"), *parse(os.environ.get(ENV, "")), *extra]
+    faults = [*parse(cfg.faults or "", "fault_injection.faults"), *parse(os.environ.get(ENV, ""))]
     if _active is not None:
         _active.replaced = True
     _active = FaultRegistry(faults, cfg.ledger, inprocess_iteration)

@@ -25,6 +25,7 @@ import os
 import random
 from typing import Any, Optional
 
+from megatron.bridge.training import fault_injection
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import Fault
@@ -53,6 +54,11 @@ class FaultTolerance:
         self._client = None
         self._use_sections = False
         self._monitor_lost = False
+
+    @property
+    def client(self) -> Any:
+        """The rank-monitor client while connected, else ``None``."""
+        return self._client
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -105,13 +111,16 @@ class FaultTolerance:
         if self.enabled and self._use_sections:
             self._send("start_section", "checkpointing")
 
-    def on_checkpoint_end(self) -> None:
-        """Close the ``checkpointing`` section; with ``calc_ft_timeouts`` update and persist the timeouts."""
+    def on_checkpoint_end(self, update_timeouts: bool = True) -> None:
+        """Close the ``checkpointing`` section; with ``calc_ft_timeouts`` update and persist the timeouts.
+
+        Updating (unless ``update_timeouts`` is false) is a collective: every rank passes here at the same save.
+        """
         if not self.enabled:
             return
         if self._use_sections:
             self._send("end_section", "checkpointing")
-        if self.cfg.ft.calc_ft_timeouts:
+        if self.cfg.ft.calc_ft_timeouts and update_timeouts:
             self._update_timeouts()
 
     def on_train_end(self, code: ExitCode) -> None:
@@ -233,28 +242,115 @@ class FaultTolerance:
             return
         atomic_write_json(os.path.join(directory, STATE_FILE), self._client.state_dict(), indent=1)
 
-    # ----------------------------------------------------------------- simulated faults
-
-    def simulated_faults(self) -> list[Fault]:
-        """``ft.simulate_fault*`` as a fault of the fault-injection registry (none when it is off).
-
-        ``rank_hung`` is ``hang`` (SIGSTOP), ``rank_killed`` is ``kill`` (SIGKILL), ``random`` one of the two; with
-        ``simulated_fault_rank=None`` the rank is drawn too, the same on every rank (from ``rng.seed``). It strikes
-        ``simulated_fault_base_delay`` seconds after the rank starts training, in the first attempt of a job only.
-        """
-        ft = self.cfg.ft
-        if not (self.enabled and ft.simulate_fault):
-            return []
-        chooser = random.Random(self.cfg.rng.seed)  # the same choice on every rank
-        rank = ft.simulated_fault_rank if ft.simulated_fault_rank is not None else chooser.randrange(self.world_size)
-        kind = ft.simulated_fault_type
-        if kind == "random":
-            kind = chooser.choice(["rank_hung", "rank_killed"])
-        fault = Fault(_SIMULATED[kind], None, rank, seconds=float(ft.simulated_fault_base_delay))
-        if self.rank == rank:
-            logger.warning("[FaultTolerance] simulated fault %s on rank %d: injected as %s", kind, rank, fault)
-        return [fault]
-
 
 _SIMULATED = {"rank_hung": "hang", "rank_killed": "kill"}
 """The fault-injection kind of each ``ft.simulated_fault_type``."""
+
+
+# --------------------------------------------------------------------- Megatron-Bridge's module functions
+#
+# The functions below are the public face: the loop and user code call them with the run's GlobalState, which holds
+# the FaultTolerance object of the run (``global_state.fault_tolerance``), its rank-monitor client and the counters
+# of ``global_state.fault_tolerance_state``. Each is a no-op when fault tolerance is off.
+
+
+def _engine(global_state: Any) -> Optional[FaultTolerance]:
+    return getattr(global_state, "fault_tolerance", None)
+
+
+def setup(config: ConfigContainer, global_state: Any) -> None:
+    """Connect this rank to its rank monitor (ft_launcher), restore learned timeouts, open the ``setup`` section."""
+    rank = int(os.environ.get("RANK", "0"))
+    engine = FaultTolerance(config, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    global_state.fault_tolerance = engine
+    engine.on_setup_start()
+    ft_state = global_state.fault_tolerance_state
+    directory = config.checkpoint.save
+    ft_state.ft_state_path = os.path.join(directory, STATE_FILE) if directory else None
+    ft_state.is_async_chkpt_enabled = config.checkpoint.async_save
+    ft_state.is_calculating_timeouts = engine.enabled and config.ft.calc_ft_timeouts
+    ft_state.is_setup_section_open = engine.enabled
+    global_state.rank_monitor_client = engine.client
+
+
+def on_training_step_start(global_state: Any) -> None:
+    """Close ``setup`` if it is still open (the first step), then open the ``step`` section."""
+    engine = _engine(global_state)
+    if engine is None:
+        return
+    ft_state = global_state.fault_tolerance_state
+    if ft_state.is_setup_section_open:
+        engine.on_setup_end()
+        ft_state.is_setup_section_open = False
+    engine.on_step_start()
+
+
+def on_training_step_end(global_state: Any) -> None:
+    """Close the ``step`` section (or send a heartbeat when the launcher has no section timeouts)."""
+    engine = _engine(global_state)
+    if engine is None:
+        return
+    engine.on_step_end()
+    global_state.fault_tolerance_state.seen_tr_iters_cnt += 1
+
+
+def on_checkpointing_start(global_state: Any) -> None:
+    """Open the ``checkpointing`` section."""
+    engine = _engine(global_state)
+    if engine is not None:
+        engine.on_checkpoint_start()
+
+
+def on_checkpointing_end(is_async_finalization: bool, global_state: Any) -> None:
+    """Close the ``checkpointing`` section.
+
+    After a save (not the finalization of an async one) the learned timeouts are updated when ``ft.calc_ft_timeouts``
+    is on.
+    """
+    engine = _engine(global_state)
+    if engine is None:
+        return
+    engine.on_checkpoint_end(update_timeouts=not is_async_finalization)
+    if not is_async_finalization:
+        global_state.fault_tolerance_state.seen_checkpoints_cnt += 1
+
+
+def on_checkpoint_loaded(is_local_chkpt: bool, global_state: Any) -> None:
+    """Record which tier the run resumed from (a global load makes ``setup`` include a real read)."""
+    global_state.fault_tolerance_state.is_persistent_chkpt_loaded = not is_local_chkpt
+
+
+def shutdown(global_state: Any) -> None:
+    """End every open section and disconnect from the rank monitor; idempotent."""
+    engine = _engine(global_state)
+    if engine is not None:
+        engine.shutdown()
+    global_state.rank_monitor_client = None
+
+
+def maybe_setup_simulated_fault(config: Any, seed: int = 0, world_size: Optional[int] = None) -> list[Fault]:
+    """Arm ``ft.simulate_fault`` in the fault-injection registry; return the fault armed (none when it is off).
+
+    ``rank_hung`` is ``hang`` (SIGSTOP), ``rank_killed`` is ``kill`` (SIGKILL), ``random`` one of the two; with
+    ``simulated_fault_rank=None`` the rank is drawn too, the same on every rank (from ``seed``; the loop passes
+    ``rng.seed``). It strikes ``simulated_fault_base_delay`` seconds after the rank starts training, in the first
+    attempt of a job only.
+
+    Args:
+        config: the ``FaultToleranceConfig`` (``cfg.ft``).
+        seed: seed of the random choices.
+        world_size: ranks to draw from; ``$WORLD_SIZE`` by default.
+    """
+    if config is None or not (config.enable_ft_package and config.simulate_fault):
+        return []
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    chooser = random.Random(seed)  # the same choice on every rank
+    rank = config.simulated_fault_rank if config.simulated_fault_rank is not None else chooser.randrange(world_size)
+    kind = config.simulated_fault_type
+    if kind == "random":
+        kind = chooser.choice(["rank_hung", "rank_killed"])
+    fault = Fault(_SIMULATED[kind], None, rank, seconds=float(config.simulated_fault_base_delay))
+    if int(os.environ.get("RANK", "0")) == rank:
+        logger.warning("[FaultTolerance] simulated fault %s on rank %d: injected as %s", kind, rank, fault)
+    fault_injection.registry().add(fault)
+    return [fault]

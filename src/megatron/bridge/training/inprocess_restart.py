@@ -127,11 +127,12 @@ def wrap(
 
     wrapped = build_wrapper(cfg, finalize, abort_process_groups)(run)
 
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def guarded(*args: Any, store: Optional[dist.Store] = None, **kwargs: Any) -> Any:
         calls[0] += 1
-        # The store env:// would use, created once per call with the ranks the launcher gave (reserves included),
-        # before the wrapper renumbers ranks: a rank renumbered 0 later must not try to host a second one.
-        store, _, _ = next(dist.rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
+        if store is None:
+            # The store env:// would use, created once per call with the ranks the launcher gave (reserves
+            # included), before the wrapper renumbers ranks: a rank renumbered 0 later must not host a second one.
+            store, _, _ = next(dist.rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
         try:
             result = wrapped(*args, store=store, **kwargs)
         except inprocess.exception.RestartAbort as err:
@@ -143,6 +144,35 @@ def wrap(
         return ExitCode.FINISHED if result is None else result  # None: a reserve rank, never activated
 
     return guarded
+
+
+def inprocess_restart(train_fn: Callable[..., Any], config: InProcessRestartConfig, global_state: Any) -> Callable:
+    """``train_fn`` wrapped for in-process restart; every restart iteration starts from a reset ``global_state``.
+
+    ``train_fn(*args, restart=RestartIteration(...), **kwargs)`` must build every piece of distributed state itself
+    and tear it down on the way out (see :func:`wrap`).
+    """
+    from megatron.bridge.training.initialize import abort_distributed
+
+    def fresh_start(*args: Any, restart: RestartIteration, **kwargs: Any) -> Any:
+        if restart.iteration > 0:
+            global_state.reset_for_restart()  # every handle of the aborted iteration is rebuilt
+        return train_fn(*args, restart=restart, **kwargs)
+
+    return wrap(fresh_start, config, abort_process_groups=abort_distributed)
+
+
+def maybe_wrap_for_inprocess_restart(
+    train_fn: Callable[..., Any], config: Optional[InProcessRestartConfig], state: Any
+) -> tuple[Callable[..., Any], Optional[dist.Store]]:
+    """``(train_fn, None)``, or with ``config.enabled`` the wrapped function and the store to call it with.
+
+    The store is ``None`` here either way: each call of the wrapped function makes its own from the launcher's
+    ``MASTER_ADDR``/``MASTER_PORT`` (``env://``); a store passed as ``store=`` is used instead.
+    """
+    if config is None or not config.enabled:
+        return train_fn, None
+    return inprocess_restart(train_fn, config, state), None
 
 
 def _gave_up(cfg: InProcessRestartConfig, err: BaseException) -> str:

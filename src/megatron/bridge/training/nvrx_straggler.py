@@ -146,6 +146,9 @@ class NVRxStragglerDetectionManager:
         self.config = config
         self.enabled = config.enabled
         self._detector: Any = None
+        self._checks = 0
+        self.last_check: Optional[StragglerCheck] = None
+        """What the latest :meth:`check` found (``None`` when no report was due)."""
 
     def initialize(self) -> None:
         """Set up the detector; call on every rank after ``torch.distributed`` is initialized."""
@@ -192,16 +195,44 @@ class NVRxStragglerDetectionManager:
             return contextlib.nullcontext()
         return self._detector.detection_section(STEP_SECTION, profile_cuda=True)
 
-    def check(self, iteration: int) -> Optional[StragglerCheck]:
+    def wrap_train_step_function(self, train_step_func: Callable) -> Callable:
+        """``train_step_func`` timed as the step section (what :meth:`step_section` does around a block)."""
+        if not self.enabled:
+            return train_step_func
+
+        @functools.wraps(train_step_func)
+        def timed_train_step(*args: Any, **kwargs: Any) -> Any:
+            with self.step_section():
+                return train_step_func(*args, **kwargs)
+
+        return timed_train_step
+
+    def check_stragglers(self, global_rank: int) -> bool:
+        """Count this step; when a report is due, report and return whether to stop (``stop_if_detected``).
+
+        Megatron-Bridge's form of :meth:`check` (a collective, every rank after every step); the outcome is kept in
+        :attr:`last_check`.
+        """
+        del global_rank  # every rank takes part; rank 0 builds the report
+        result = self.check(None)
+        return result is not None and result.stop_reason is not None
+
+    def check(self, iteration: Optional[int]) -> Optional[StragglerCheck]:
         """Count this step; when a report is due, build it on all ranks and decide whether to stop.
 
         Call on every rank after every step: the report and the stop decision are collective.
 
+        Args:
+            iteration: the step just finished, for the report; ``None``: the steps this manager has counted.
+
         Returns:
             ``None`` when no report was due, else the outcome for this rank.
         """
+        self.last_check = None
         if not self.enabled:
             return None
+        self._checks += 1
+        iteration = iteration if iteration is not None else self._checks
         start = time.perf_counter()
         raw = self._detector.generate_report_if_interval_elapsed()
         if not self._detector.is_interval_elapsed():
@@ -223,6 +254,7 @@ class NVRxStragglerDetectionManager:
             result.report = report
         if self.config.stop_if_detected:
             result.stop_reason = broadcast_from_rank0(result.stop_reason)
+        self.last_check = result
         return result
 
     def _build_report(self, raw: Any, iteration: int) -> StragglerReport:
@@ -263,3 +295,28 @@ class NVRxStragglerDetectionManager:
         if self._detector is not None:
             self._detector.shutdown()
             self._detector = None
+
+
+def check_nvrx_straggler_detection(nvrx_straggler_manager: Optional[NVRxStragglerDetectionManager]) -> bool:
+    """Whether straggler detection asks every rank to stop after this step (``False`` without a manager).
+
+    A collective when detection is on: every rank calls it after every step.
+    """
+    if nvrx_straggler_manager is None:
+        return False
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return nvrx_straggler_manager.check_stragglers(rank)
+
+
+def safe_shutdown_nvrx_straggler_manager(
+    manager: Optional[NVRxStragglerDetectionManager], logger_name: str = "nvrx_straggler"
+) -> None:
+    """Shut ``manager`` down, logging (not raising) a failure: teardown must go on."""
+    if manager is None:
+        return
+    try:
+        manager.shutdown()
+    except Exception:  # noqa: BLE001 - the rest of the teardown still has to run
+        logging.getLogger(logger_name).exception("straggler detection: shutdown failed")

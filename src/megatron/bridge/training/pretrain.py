@@ -11,14 +11,13 @@ from typing import Optional, Union
 
 import torch.distributed as dist
 
-from megatron.bridge.training import fault_injection, job_info
+from megatron.bridge.training import fault_injection, fault_tolerance, job_info
 from megatron.bridge.training.callbacks import Callback, CallbackManager, fire_event, normalize_callbacks
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
-from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
 from megatron.bridge.training.goodput import GoodputTracker, process_start_time
 from megatron.bridge.training.hang_attribution import HangWatch, attempt_name, summarize_earlier_attempts
@@ -30,7 +29,7 @@ from megatron.bridge.training.initialize import (
     set_seeds,
     setup_logging,
 )
-from megatron.bridge.training.inprocess_restart import RestartIteration
+from megatron.bridge.training.inprocess_restart import RestartIteration, maybe_wrap_for_inprocess_restart
 from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
@@ -53,7 +52,7 @@ def pretrain(
     """Validate ``config``, set up the run, resume from the newest valid checkpoint and train.
 
     With ``inprocess_restart.enabled`` the whole of it (process groups included) runs again in the same processes
-    after a rank fault; see :func:`maybe_wrap_for_inprocess_restart`.
+    after a rank fault; see ``inprocess_restart.maybe_wrap_for_inprocess_restart``.
 
     Args:
         config: the run's configuration.
@@ -75,20 +74,8 @@ def pretrain(
     state = GlobalState()
     state.cfg = config
     manager = normalize_callbacks(callbacks)
-    return maybe_wrap_for_inprocess_restart(_pretrain, config)(state, forward_step_func, manager)
-
-
-def maybe_wrap_for_inprocess_restart(fn: Callable[..., ExitCode], cfg: ConfigContainer) -> Callable[..., ExitCode]:
-    """``fn`` unchanged, or wrapped by nvidia-resiliency-ext's in-process restart when ``inprocess_restart.enabled``.
-
-    ``fn(state, forward_step_func, callbacks, restart=None)`` must build every piece of distributed state itself
-    and tear it down on the way out: when wrapped, it is called again in the same process after a fault.
-    """
-    if not cfg.inprocess_restart.enabled:
-        return fn
-    from megatron.bridge.training import inprocess_restart
-
-    return inprocess_restart.wrap(fn, cfg.inprocess_restart, abort_process_groups=abort_distributed)
+    train_fn, store = maybe_wrap_for_inprocess_restart(_pretrain, config.inprocess_restart, state)
+    return train_fn(state, forward_step_func, manager, **({"store": store} if store is not None else {}))
 
 
 def _pretrain(
@@ -98,8 +85,6 @@ def _pretrain(
     restart: Optional[RestartIteration] = None,
 ) -> ExitCode:
     """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down."""
-    if restart is not None and restart.iteration > 0:
-        global_state.reset_for_restart()  # every handle of the aborted iteration is rebuilt
     cfg = global_state.cfg
     start_time = time.time()
     setup_logging(cfg.logger.log_level)  # the rank may change between in-process restart iterations
@@ -107,7 +92,8 @@ def _pretrain(
     from megatron.bridge.models.gpt import build_gpt_model
 
     rank = int(os.environ.get("RANK", "0"))
-    ft = FaultTolerance(cfg, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
+    ft = global_state.fault_tolerance
     attempt = attempt_name(inprocess_iteration=restart.iteration if restart is not None else 0)
     attribution_dir = _attribution_dir(cfg)
     hang_watch = HangWatch(
@@ -117,7 +103,6 @@ def _pretrain(
     # Goodput: an in-process restart iteration is an attempt of its own, from now; the first, from the process start.
     attempt_start = start_time if restart is not None and restart.iteration > 0 else process_start_time()
     goodput = GoodputTracker(_job_id(), attempt, attempt_start, cfg.checkpoint.save, rank)
-    ft.on_setup_start()
     hang_watch.open("setup")
     checkpoints = metrics = ctx = None
     straggler = global_state.nvrx_straggler_manager
@@ -132,7 +117,7 @@ def _pretrain(
             *([metrics.close] if metrics is not None else []),
             # A finished run closed it already (waiting for its saves); when unwinding, never commit collectives.
             *([functools.partial(checkpoints.close, abort=True)] if checkpoints is not None else []),
-            ft.shutdown,
+            functools.partial(fault_tolerance.shutdown, global_state),
             hang_watch.shutdown,
             liveness.shutdown,
             destroy_distributed,
@@ -161,6 +146,8 @@ def _pretrain(
         state = global_state.train_state
         checkpoints.load(model, optimizer, scheduler, state)
         state.do_train = state.step < cfg.train.train_iters
+        if checkpoints.resumed["tier"] is not None:
+            fault_tolerance.on_checkpoint_loaded(checkpoints.resumed["tier"] == "local", global_state)
         resumed_from = checkpoints.resumed["directory"]
         fire_event(callbacks, "on_checkpoint_load_end", global_state, model, checkpoint_dir=resumed_from)
         fire_event(callbacks, "on_data_init_start", global_state, model, optimizer=optimizer, scheduler=scheduler)
@@ -195,9 +182,8 @@ def _pretrain(
                 else None
             ),
         )
-        registry = fault_injection.install(
-            cfg.fault_injection, restart.iteration if restart is not None else 0, extra=ft.simulated_faults()
-        )
+        registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
+        fault_tolerance.maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed)
         faults = StepFaults(dist.get_rank(), registry)
         ctx = TrainContext(
             cfg=cfg,
@@ -212,7 +198,6 @@ def _pretrain(
             ),
             checkpoints=checkpoints,
             metrics=metrics,
-            ft=ft,
             faults=faults,
             straggler=straggler,
             signals=signals,
@@ -225,8 +210,7 @@ def _pretrain(
             callbacks=callbacks,
             **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default
         )
-        ft.on_setup_end()
-        hang_watch.close()
+        hang_watch.close()  # fault tolerance's ``setup`` section ends with the first step's start
         code, reason = train(ctx)
         # The wait for the last async save runs outside any ft section: the launcher's out-of-section timeout bounds
         # it. A learned ``checkpointing`` timeout measures only the blocking part of saves (for async saves, their
@@ -278,7 +262,9 @@ def _attribution_dir(cfg: ConfigContainer) -> Optional[str]:
     return os.path.join(cfg.checkpoint.save, "attribution")
 
 
-def _stack_dump_delay(cfg: ConfigContainer, ft: FaultTolerance, watch: HangWatch, section: str) -> Optional[float]:
+def _stack_dump_delay(
+    cfg: ConfigContainer, ft: fault_tolerance.FaultTolerance, watch: HangWatch, section: str
+) -> Optional[float]:
     """Seconds ``section`` may stay open before the stacks are dumped (evaluated at every section start).
 
     The configured value, or the earliest of: half of each hang timeout on the section's own length (an ft section

@@ -83,6 +83,8 @@ class GlobalState:
         self._nvrx_straggler_manager: Any = None
         self._nvrx_straggler_created = False
         self._async_calls_queue: Any = None
+        self.fault_tolerance: Any = None
+        """This run's ``fault_tolerance.FaultTolerance`` (set by ``fault_tolerance.setup``)."""
         self.rank_monitor_client: Any = None
         """nvidia-resiliency-ext's ``RankMonitorClient`` while fault tolerance is on (set by ``fault_tolerance``)."""
         self.start_time = time.time()

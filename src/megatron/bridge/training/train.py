@@ -32,17 +32,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training import fault_tolerance
 from megatron.bridge.training.callbacks import CallbackManager, fire_event, should_fire
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import StepFaults
-from megatron.bridge.training.fault_tolerance import FaultTolerance
 from megatron.bridge.training.goodput import GoodputTracker
 from megatron.bridge.training.hang_attribution import HangWatch
 from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
-from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
+from megatron.bridge.training.nvrx_straggler import (
+    NVRxStragglerDetectionManager,
+    check_nvrx_straggler_detection,  # noqa: F401 - Megatron-Bridge's train.py offers it too
+)
 from megatron.bridge.training.rerun import RerunController, StepVerdict
 from megatron.bridge.training.state import GlobalState, TrainState
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, StopDeadline
@@ -63,7 +66,6 @@ class TrainContext:
     forward_step_func: Callable
     checkpoints: CheckpointManager
     metrics: MetricsWriter
-    ft: FaultTolerance
     faults: StepFaults
     straggler: NVRxStragglerDetectionManager
     signals: DistributedSignalHandler
@@ -178,7 +180,7 @@ def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
     return bool(flags[0].item()), bool(flags[1].item())
 
 
-def check_nvrx_straggler_detection(ctx: TrainContext) -> Optional[str]:
+def _straggler_stop(ctx: TrainContext) -> Optional[str]:
     """Let straggler detection count this step; on a report step, log its scores and return a stop reason, if any."""
     result = ctx.straggler.check(ctx.state.step)
     if result is None:
@@ -227,7 +229,7 @@ def start_stop_deadline(ctx: TrainContext) -> Optional[StopDeadline]:
 
 def stop_before_step(ctx: TrainContext, verdict: StepVerdict) -> tuple[ExitCode, str]:
     """End the run on a re-run verdict, saving the pre-step state as the verdict asks."""
-    ctx.ft.on_step_end()
+    fault_tolerance.on_training_step_end(ctx.global_state)
     ctx.hang_watch.close()
     if verdict.checkpoint == "force" or (verdict.checkpoint == "if_due" and _should_save(ctx, stopping=True)):
         _save(ctx, ctx.checkpoints.save, rank_extra=ctx.rerun.export_state())
@@ -262,7 +264,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     _fire(ctx, "on_train_start")
     while True:
         ctx.goodput.step_start()  # the first one ends this attempt's start-up
-        ctx.ft.on_step_start()
+        fault_tolerance.on_training_step_start(ctx.global_state)
         ctx.hang_watch.open("step")
         ctx.faults.before_step(ctx.state.step + 1)
         ctx.liveness.maybe_ping(ctx.state.step + 1)  # before any collective of the step, a save commit too
@@ -280,7 +282,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         if verdict.skipped or verdict.stop is not None:
             blamed = ctx.checkpoints.blame_local_tier(ctx.state.step + 1)
             if blamed is not None:  # the state came from a suspect local checkpoint: save nothing of it
-                ctx.ft.on_step_end()
+                fault_tolerance.on_training_step_end(ctx.global_state)
                 ctx.hang_watch.close()
                 return ExitCode.LOCAL_CHECKPOINT_REJECTED, blamed
         if verdict.stop is not None:  # the step was not applied: the iteration stays where it was
@@ -292,11 +294,11 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         if log_this_step:
             ctx.metrics.log_step(ctx.state.step, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
             ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.step), ctx.state.step)
-        straggler_stop = check_nvrx_straggler_detection(ctx)
+        straggler_stop = _straggler_stop(ctx)
         stop = exit_condition(ctx, straggler_stop)
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
             ctx.deadline = start_stop_deadline(ctx)
-        ctx.ft.on_step_end()
+        fault_tolerance.on_training_step_end(ctx.global_state)
         ctx.hang_watch.close()
         ctx.report_progress()
         save = _due_save(ctx, stopping=stop is not None)
@@ -311,11 +313,11 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
 
 def _save(ctx: TrainContext, save: Callable[..., None], **extra: Any) -> None:
     """One checkpoint save inside fault tolerance's ``checkpointing`` section, watched, counted by goodput."""
-    ctx.ft.on_checkpoint_start()
+    fault_tolerance.on_checkpointing_start(ctx.global_state)
     ctx.hang_watch.open("checkpointing")
     _fire(ctx, "on_checkpoint_save_start")
     with ctx.goodput.saving(ctx.state.step):
         save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, **extra)
     _fire(ctx, "on_checkpoint_save_end")
-    ctx.ft.on_checkpoint_end()
+    fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=ctx.global_state)
     ctx.hang_watch.close()

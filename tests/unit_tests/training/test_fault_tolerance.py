@@ -1,0 +1,119 @@
+"""Fault tolerance's module functions: sections in loop order, learned timeouts saved, counters, shutdown.
+
+The rank monitor is a fake here (it lives in ft_launcher); the real one is exercised by the functional drills.
+"""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.bridge.training import fault_tolerance
+from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.state import GlobalState
+from megatron.bridge.training.utils.overrides import apply_overrides
+
+
+class FakeRankMonitorClient:
+    """Records the calls the way ft_launcher's rank monitor would receive them."""
+
+    sections = {"setup": 600.0, "step": 180.0, "checkpointing": 420.0}
+
+    def __init__(self):
+        self.calls = []
+        self.loaded = None
+        self.section_timeouts = SimpleNamespace(section=dict(self.sections), out_of_section=300.0)
+
+    def init_workload_monitoring(self):
+        self.calls.append("init")
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+    def start_section(self, name):
+        self.calls.append(f"start {name}")
+
+    def end_section(self, name):
+        self.calls.append(f"end {name}")
+
+    def calculate_and_set_section_timeouts(self, selected_sections, calc_out_of_section, skip_if_not_ready):
+        self.calls.append(f"calculate {','.join(selected_sections)}")
+        self.section_timeouts.section["step"] = 5.0
+        return True
+
+    def state_dict(self):
+        return {"section_timeouts": self.section_timeouts.section}
+
+    def end_all_sections(self):
+        self.calls.append("end all")
+
+    def shutdown_workload_monitoring(self):
+        self.calls.append("shutdown")
+
+
+@pytest.fixture
+def fake_client(monkeypatch):
+    import nvidia_resiliency_ext.fault_tolerance as ft_package
+
+    made = []
+    monkeypatch.setattr(ft_package, "RankMonitorClient", lambda: made.append(FakeRankMonitorClient()) or made[-1])
+    return made
+
+
+def _state(tmp_path, *overrides):
+    cfg = apply_overrides(ConfigContainer(), [f"checkpoint.save={tmp_path}", f"checkpoint.load={tmp_path}", *overrides])
+    state = GlobalState()
+    state.cfg = cfg
+    return cfg, state
+
+
+def test_sections_follow_the_loop_and_learned_timeouts_are_saved_and_restored(tmp_path, fake_client, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    cfg, state = _state(tmp_path, "ft.enable_ft_package=true", "ft.calc_ft_timeouts=true", "checkpoint.async_save=true")
+    fault_tolerance.setup(cfg, state)
+    client = fake_client[0]
+    assert state.rank_monitor_client is client
+    ft_state = state.fault_tolerance_state
+    assert ft_state.is_setup_section_open and ft_state.is_calculating_timeouts and ft_state.is_async_chkpt_enabled
+    assert ft_state.ft_state_path == str(tmp_path / "ft_state.json")
+    fault_tolerance.on_checkpoint_loaded(is_local_chkpt=True, global_state=state)
+    assert not ft_state.is_persistent_chkpt_loaded
+
+    for _ in range(2):
+        fault_tolerance.on_training_step_start(state)
+        fault_tolerance.on_training_step_end(state)
+    fault_tolerance.on_checkpointing_start(state)
+    fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=state)
+    fault_tolerance.on_checkpointing_start(state)
+    fault_tolerance.on_checkpointing_end(is_async_finalization=True, global_state=state)  # no second update
+    fault_tolerance.shutdown(state)
+    assert client.calls == [
+        "init", "start setup",
+        "end setup", "start step", "end step", "start step", "end step",
+        "start checkpointing", "end checkpointing", "calculate step,checkpointing",
+        "start checkpointing", "end checkpointing",
+        "end all", "shutdown",
+    ]  # fmt: skip
+    assert (ft_state.seen_tr_iters_cnt, ft_state.seen_checkpoints_cnt) == (2, 1)
+    assert state.rank_monitor_client is None
+    saved = json.loads((tmp_path / "ft_state.json").read_text())
+    assert saved["section_timeouts"]["step"] == 5.0
+
+    again = GlobalState()
+    again.cfg = cfg
+    fault_tolerance.setup(cfg, again)  # the next run loads what this one learned
+    assert fake_client[1].loaded == saved
+
+
+def test_every_function_is_a_no_op_when_fault_tolerance_is_off(tmp_path, fake_client):
+    cfg, state = _state(tmp_path)
+    fault_tolerance.setup(cfg, state)
+    fault_tolerance.on_training_step_start(state)
+    fault_tolerance.on_training_step_end(state)
+    fault_tolerance.on_checkpointing_start(state)
+    fault_tolerance.on_checkpointing_end(False, state)
+    fault_tolerance.shutdown(state)
+    assert fake_client == [] and state.rank_monitor_client is None
+    untouched = GlobalState()  # setup never ran: nothing to do either
+    fault_tolerance.on_training_step_start(untouched)
+    fault_tolerance.shutdown(untouched)
