@@ -9,7 +9,11 @@ run = pytest.importorskip("nemo_run")
 
 from tests.unit_tests.recipes.test_run_plugins import _sbatch_script, nemorun_home, stdin_devnull  # noqa: E402, F401
 
-from megatron.bridge.recipes.run_plugins import FaultTolerancePlugin, PreemptionPlugin  # noqa: E402
+from megatron.bridge.recipes.run_plugins import (  # noqa: E402
+    FaultTolerancePlugin,
+    PreemptionPlugin,
+    PreemptionPluginScriptArgs,
+)
 from megatron.bridge.training.config import ConfigContainer  # noqa: E402
 from megatron.bridge.training.utils.overrides import apply_overrides  # noqa: E402
 
@@ -21,6 +25,7 @@ def test_is_a_nemo_run_plugin_with_the_documented_defaults():
         "preempt_time": 60,
         "enable_exit_handler": True,
         "enable_exit_handler_for_data_loader": False,
+        "script_args_converter_fn": None,
     }
 
 
@@ -43,8 +48,8 @@ def test_local_executor_gets_overrides_that_validate_and_replace_earlier_ones():
     PreemptionPlugin(preempt_time=120, enable_exit_handler_for_data_loader=True).setup(task, executor)
     assert task.args == [
         "train.train_iters=10",
-        "train.exit_signal_handler=true",
-        "train.exit_signal_handler_for_dataloader=true",
+        "train.exit_signal_handler=True",
+        "train.exit_signal_handler_for_dataloader=True",
         "train.exit_signal_deadline=108.0",
     ]
     cfg = apply_overrides(ConfigContainer(), task.args)
@@ -52,15 +57,43 @@ def test_local_executor_gets_overrides_that_validate_and_replace_earlier_ones():
     assert cfg.train.exit_signal_handler and cfg.train.exit_signal_deadline == 108.0
 
 
-def test_unsupported_tasks_and_executors_are_rejected_before_anything_changes():
-    task = run.Script(path="train.sh")  # bash entrypoint
-    executor = run.LocalExecutor()
-    before = copy.deepcopy(task), copy.deepcopy(executor)
-    with pytest.raises(ValueError, match="PreemptionPlugin needs run.Script"):
-        PreemptionPlugin().setup(task, executor)
-    assert (task, executor) == before
-    with pytest.raises(TypeError, match="PreemptionPlugin does not support executor type"):
-        PreemptionPlugin().setup(run.Script(path="x.py", entrypoint="python"), run.DockerExecutor(container_image="i"))
+def _pretrain_like(config: ConfigContainer) -> None:
+    """A target taking the config the way megatron.bridge.training.pretrain.pretrain does."""
+
+
+def test_a_partial_task_and_any_executor_get_the_handler_without_a_scheduler_signal():
+    task = run.Partial(_pretrain_like, config=ConfigContainer())
+    executor = run.DockerExecutor(container_image="i")
+    PreemptionPlugin(preempt_time=30).setup(task, executor)
+    train = task.config.train
+    assert (train.exit_signal_handler, train.exit_signal_handler_for_dataloader, train.exit_signal_deadline) == (
+        True,
+        False,
+        27.0,
+    )
+    assert not getattr(executor, "signal", None)  # only Slurm has one
+
+
+def test_without_the_exit_handler_nothing_is_added_and_a_converter_writes_the_rest():
+    task = run.Script(path="train.sh", args=["x=1"])  # any script: the launcher is not replaced
+    PreemptionPlugin(enable_exit_handler=False).setup(task, run.LocalExecutor())
+    assert task.args == ["x=1"]
+
+    def converter(args: PreemptionPluginScriptArgs) -> list[str]:
+        return ["--exit-handler" if args.enable_exit_handler else "--no-exit-handler"]
+
+    PreemptionPlugin(script_args_converter_fn=converter).setup(task, run.LocalExecutor())
+    assert task.args == ["x=1", "--exit-handler"]
+
+
+def test_a_task_with_in_process_restart_is_rejected_before_anything_changes():
+    task = run.Script(path="x.py", entrypoint="python", args=["inprocess_restart.enabled=true"])
+    before = copy.deepcopy(task)
+    with pytest.raises(ValueError, match="PreemptionPlugin cannot be combined with inprocess_restart"):
+        PreemptionPlugin().setup(task, run.LocalExecutor())
+    assert task == before
+    with pytest.raises(TypeError, match="PreemptionPlugin does not support task type"):
+        PreemptionPlugin().setup(run.Config(_pretrain_like, config=None), run.LocalExecutor())
 
 
 def test_sbatch_script_signals_the_job_step_before_the_limit(nemorun_home, tmp_path, stdin_devnull):  # noqa: F811
@@ -69,7 +102,7 @@ def test_sbatch_script_signals_the_job_step_before_the_limit(nemorun_home, tmp_p
     srun = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(srun) == 1, script
     assert srun[0].endswith(
-        "train.train_iters=100 train.exit_signal_handler=true train.exit_signal_handler_for_dataloader=false "
+        "train.train_iters=100 train.exit_signal_handler=True train.exit_signal_handler_for_dataloader=False "
         "train.exit_signal_deadline=81.0"
     ), srun[0]
 
@@ -81,5 +114,5 @@ def test_with_fault_tolerance_the_job_is_requeued_and_ft_launcher_passes_the_sig
     script, _ = _sbatch_script(nemorun_home, [FaultTolerancePlugin(), PreemptionPlugin()])
     assert "#SBATCH --signal=TERM@60\n" in script
     line = next(line for line in script.splitlines() if line.startswith("srun ") and " ft_launcher " in line)
-    assert "ft.enable_ft_package=true" in line and "train.exit_signal_handler=true" in line
+    assert "ft.enable_ft_package=True" in line and "train.exit_signal_handler=True" in line
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script  # a stopped, unfinished job starts again and resumes

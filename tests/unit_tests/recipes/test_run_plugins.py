@@ -15,7 +15,12 @@ run = pytest.importorskip("nemo_run")
 import nemo_run.config  # noqa: E402
 from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig  # noqa: E402
 
-from megatron.bridge.recipes.run_plugins import FT_CFG_PATH_ENV, FaultTolerancePlugin  # noqa: E402
+from megatron.bridge.recipes.run_plugins import (  # noqa: E402
+    FT_CFG_PATH_ENV,
+    FaultTolerancePlugin,
+    FaultTolerancePluginScriptArgs,
+)
+from megatron.bridge.training.config import ConfigContainer, InProcessRestartConfig  # noqa: E402
 
 SECTIONS = {"setup": 600.0, "step": 180.0, "checkpointing": 420.0}
 
@@ -63,6 +68,7 @@ def test_is_a_nemo_run_plugin_with_the_documented_defaults():
         "checkpointing_timeout": 420,
         "out_of_section_timeout": 300,
         "workload_check_interval": 5.0,
+        "script_args_converter_fn": None,
     }
     assert isinstance(plugin.workload_check_interval, float)
 
@@ -97,7 +103,7 @@ def test_local_executor_gets_ft_launcher_retries_config_and_task_overrides(nemor
     assert launcher.rank_heartbeat_timeout == 300
     assert launcher.workload_check_interval == 5.0
     assert executor.retries == 2
-    assert task.args == ["train.train_iters=100", "ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
+    assert task.args == ["train.train_iters=100", "ft.enable_ft_package=True", "ft.calc_ft_timeouts=True"]
 
     # The section timeouts reach ft_launcher through the config file named by PET_FT_CFG_PATH.
     cfg_path = Path(executor.env_vars[FT_CFG_PATH_ENV])
@@ -129,7 +135,7 @@ def test_custom_values_and_none_section_timeouts(nemorun_home):
     assert executor.launcher.workload_check_interval == 0.5
     assert executor.retries == 0
     assert executor.env_vars["KEEP"] == "1"
-    assert task.args == ["ft.enable_ft_package=true", "ft.calc_ft_timeouts=false"]
+    assert task.args == ["ft.enable_ft_package=True", "ft.calc_ft_timeouts=False"]
     cfg = _read_ft_yaml(Path(executor.env_vars[FT_CFG_PATH_ENV]))
     assert dict(cfg.rank_section_timeouts) == {"setup": None, "step": 7.5, "checkpointing": 420.0}
     assert (cfg.initial_rank_heartbeat_timeout, cfg.rank_heartbeat_timeout) == (60, 30)
@@ -152,8 +158,8 @@ def test_existing_ft_overrides_are_replaced_not_duplicated(nemorun_home):
     assert task.args == [
         "train.train_iters=100",
         "ft.simulate_fault=true",
-        "ft.enable_ft_package=true",
-        "ft.calc_ft_timeouts=false",
+        "ft.enable_ft_package=True",
+        "ft.calc_ft_timeouts=False",
     ]
 
 
@@ -171,14 +177,26 @@ def _noop(x: int) -> int:
     return x
 
 
+def _pretrain_like(config: ConfigContainer) -> None:
+    """A target taking the config the way megatron.bridge.training.pretrain.pretrain does."""
+
+
 UNSUPPORTED_TASKS = [
-    pytest.param(lambda: run.Partial(_noop, x=1), TypeError, r"Partial.*supported: nemo_run\.Script", id="partial"),
+    pytest.param(lambda: run.Partial(_noop, x=1), TypeError, r"run\.Partial whose target takes.*config", id="partial"),
     pytest.param(lambda: run.Config(_noop, x=1), TypeError, r"Config.*supported: nemo_run\.Script", id="config"),
     pytest.param(
-        lambda: run.Script(inline="python train.py"), ValueError, r"inline scripts.*run\.Script\(path=", id="inline"
+        lambda: run.Script(path="examples/pretrain_tiny_gpt.py"), ValueError, r"entrypoint='python'", id="bash-entry"
     ),
     pytest.param(
-        lambda: run.Script(path="examples/pretrain_tiny_gpt.py"), ValueError, r"entrypoint='python'", id="bash-entry"
+        lambda: _script("inprocess_restart.enabled=True"), ValueError, r"inprocess_restart.enabled", id="ipr-script"
+    ),
+    pytest.param(
+        lambda: run.Partial(
+            _pretrain_like, config=ConfigContainer(inprocess_restart=InProcessRestartConfig(enabled=True))
+        ),
+        ValueError,
+        r"inprocess_restart.enabled",
+        id="ipr-partial",
     ),
 ]
 
@@ -197,16 +215,34 @@ def test_unsupported_tasks_are_rejected_before_anything_changes(nemorun_home, ma
     assert not (nemorun_home / "fault_tolerance").exists()
 
 
-def test_unsupported_executor_is_rejected_before_anything_changes(nemorun_home):
+def test_a_partial_task_gets_the_settings_in_its_config(nemorun_home):
+    config = ConfigContainer()
+    config.ft = None  # Megatron-Bridge's default: no ft section
+    task = run.Partial(_pretrain_like, config=config)
+    executor = run.LocalExecutor(ntasks_per_node=2)
+    FaultTolerancePlugin(calc_ft_timeouts=False).setup(task, executor)
+    assert (task.config.ft.enable_ft_package, task.config.ft.calc_ft_timeouts) == (True, False)
+    assert isinstance(executor.launcher, run.FaultTolerance) and executor.retries == 2
+
+
+def test_other_executors_get_ft_launcher_without_the_section_file(nemorun_home, caplog):
     task = _script("train.train_iters=1")
     executor = run.DockerExecutor(container_image="some/image")
-    task_before, executor_before = copy.deepcopy(task), copy.deepcopy(executor)
-
-    with pytest.raises(TypeError, match=r"DockerExecutor.*LocalExecutor.*SlurmExecutor"):
+    with caplog.at_level("WARNING"):
         FaultTolerancePlugin().setup(task, executor)
+    assert isinstance(executor.launcher, run.FaultTolerance) and executor.retries == 2
+    assert FT_CFG_PATH_ENV not in executor.env_vars
+    assert "reach ft_launcher only through LocalExecutor and SlurmExecutor" in caplog.text
+    assert task.args[-2:] == ["ft.enable_ft_package=True", "ft.calc_ft_timeouts=True"]
 
-    assert task == task_before
-    assert executor == executor_before
+
+def test_a_converter_writes_the_script_arguments(nemorun_home):
+    def converter(args: FaultTolerancePluginScriptArgs) -> list[str]:
+        return [f"--ft={int(args.enable_ft_package)}{int(args.calc_ft_timeouts)}"]
+
+    task = _script("train.train_iters=3")
+    FaultTolerancePlugin(script_args_converter_fn=converter).setup(task, run.LocalExecutor())
+    assert task.args == ["train.train_iters=3", "--ft=11"]
 
 
 def test_unassigned_slurm_executor_is_rejected_before_anything_changes(tmp_path):
@@ -267,7 +303,7 @@ def test_sbatch_script_runs_ft_launcher_with_restarts_timeouts_and_requeue(nemor
     assert "--ft-workload_check_interval 5.0" in cmd
     assert "--nproc-per-node 2" in cmd
     assert cmd.endswith(
-        "/abs/examples/pretrain_tiny_gpt.py train.train_iters=100 ft.enable_ft_package=true ft.calc_ft_timeouts=true"
+        "/abs/examples/pretrain_tiny_gpt.py train.train_iters=100 ft.enable_ft_package=True ft.calc_ft_timeouts=True"
     )
     assert "--no-python" not in cmd
     assert "#SBATCH --ntasks-per-node=1" in script  # one ft_launcher per node, it starts the 2 ranks
@@ -358,8 +394,22 @@ def test_local_launch_starts_two_ranks_under_ft_launcher_with_the_config(nemorun
     assert [p.name for p in ranks] == ["rank0.json", "rank1.json"], logs[-4000:]
     for path in ranks:
         seen = json.loads(path.read_text())
-        assert seen["argv"] == ["train.train_iters=3", "ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
+        assert seen["argv"] == ["train.train_iters=3", "ft.enable_ft_package=True", "ft.calc_ft_timeouts=True"]
         assert seen["restart"] == "0"
         assert seen["sections"] == {"setup": 600.0, "step": 90.0, "checkpointing": 420.0}
         assert seen["out_of_section"] == 300.0
         assert seen["heartbeat"] == [120.0, 60.0]
+
+
+def test_the_performance_scripts_path_offers_the_same_plugins():
+    import importlib.util
+
+    from megatron.bridge.recipes import run_plugins
+
+    path = Path(__file__).resolve().parents[3] / "scripts" / "performance" / "resiliency_plugins.py"
+    spec = importlib.util.spec_from_file_location("resiliency_plugins", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.FaultTolerancePlugin is run_plugins.FaultTolerancePlugin
+    assert module.FaultTolerancePluginScriptArgs is run_plugins.FaultTolerancePluginScriptArgs
+    assert module.PreemptionPlugin is run_plugins.PreemptionPlugin

@@ -14,6 +14,10 @@ training config through dotted overrides::
     task = run.Script(path="examples/pretrain_tiny_gpt.py", entrypoint="python", args=["train.train_iters=100"])
     run.run(task, executor=run.LocalExecutor(ntasks_per_node=2), plugins=[FaultTolerancePlugin()])
 
+Both plugins take a ``run.Script`` (the settings become dotted overrides appended to its arguments, Python literals
+such as ``ft.enable_ft_package=True``; a ``script_args_converter_fn`` may write them differently) or a
+``run.Partial`` whose ``config`` is a ``ConfigContainer`` (the settings are set on it), on any executor.
+
 How the settings reach ``ft_launcher`` (nemo_run 0.11): nemo_run's ``FaultTolerance`` launcher turns
 ``max_restarts``, the heartbeat timeouts and ``workload_check_interval`` into ``--max-restarts``/``--ft-*`` flags, but
 it has no section-timeout fields and never passes its ``cfg_path`` to ``ft_launcher`` (on Slurm it only exports it as
@@ -26,6 +30,8 @@ points ``PET_FT_CFG_PATH`` at it. Command-line flags override the file; both car
 - ``SlurmExecutor``: the sbatch script itself writes the YAML into the job directory on the cluster (a heredoc added
   to ``setup_lines``), so it also works through an SSH tunnel; the variable points at the path the job's processes
   see (inside the container, if there is one).
+- Other executors: no YAML is delivered (a warning says so); ft_launcher then applies its own section defaults, and
+  training falls back to heartbeats when the sections have no timeouts.
 """
 
 import hashlib
@@ -33,12 +39,14 @@ import logging
 import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
+from megatron.bridge.training.config import FaultToleranceConfig
 from megatron.bridge.utils.fs import atomic_write
 from megatron.bridge.utils.optional_imports import require
 
@@ -65,6 +73,42 @@ def _check_timeout(name: str, value: Any, allow_none: bool) -> None:
         raise ValueError(f"FaultTolerancePlugin.{name} must be a number of seconds > 0{none}, got {value!r}")
 
 
+@dataclass
+class FaultTolerancePluginScriptArgs:
+    """What :class:`FaultTolerancePlugin` tells a ``run.Script`` task; a converter makes it command-line arguments."""
+
+    enable_ft_package: bool
+    """Value for ``ft.enable_ft_package``."""
+    calc_ft_timeouts: bool
+    """Value for ``ft.calc_ft_timeouts``."""
+
+
+def _default_fault_tolerance_converter(args: FaultTolerancePluginScriptArgs) -> list[str]:
+    return [f"ft.enable_ft_package={args.enable_ft_package!r}", f"ft.calc_ft_timeouts={args.calc_ft_timeouts!r}"]
+
+
+@dataclass
+class PreemptionPluginScriptArgs:
+    """What :class:`PreemptionPlugin` tells a ``run.Script`` task; a converter makes it command-line arguments."""
+
+    enable_exit_handler: bool
+    """Value for ``train.exit_signal_handler``."""
+    enable_exit_handler_for_data_loader: bool
+    """Value for ``train.exit_signal_handler_for_dataloader``."""
+    exit_signal_deadline: Optional[float] = None
+    """Value for ``train.exit_signal_deadline`` (this package's addition; ``None``: not set)."""
+
+
+def _default_preemption_converter(args: PreemptionPluginScriptArgs) -> list[str]:
+    overrides = [
+        f"train.exit_signal_handler={args.enable_exit_handler!r}",
+        f"train.exit_signal_handler_for_dataloader={args.enable_exit_handler_for_data_loader!r}",
+    ]
+    if args.exit_signal_deadline is not None:
+        overrides.append(f"train.exit_signal_deadline={args.exit_signal_deadline!r}")
+    return overrides
+
+
 @dataclass(kw_only=True)
 class FaultTolerancePlugin(run.Plugin):
     """Run a task under ``ft_launcher`` with in-job restarts, job retries and fault tolerance enabled.
@@ -76,12 +120,13 @@ class FaultTolerancePlugin(run.Plugin):
       section timeouts through a YAML config (see the module docstring);
     - sets ``executor.retries = num_job_retries_on_failure`` (Slurm: the job is requeued after a failure until that
       many attempts failed; nemo_run's local scheduler does not retry);
-    - appends ``ft.enable_ft_package=<bool>`` and ``ft.calc_ft_timeouts=<bool>`` to the task's arguments, replacing
-      earlier values of those keys.
+    - ``run.Script``: appends ``ft.enable_ft_package=<bool>`` and ``ft.calc_ft_timeouts=<bool>`` (or what
+      ``script_args_converter_fn`` makes of :class:`FaultTolerancePluginScriptArgs`) to the task's arguments,
+      replacing earlier values of those keys; ``run.Partial``: sets both on its ``config.ft`` (made when ``None``).
 
-    Supported tasks: ``run.Script`` that runs a Python file (``entrypoint="python"``, ``path=<script.py>``, dotted
-    overrides as ``args``) or a module (``entrypoint="python"``, ``m=True``). Supported executors:
-    ``run.LocalExecutor`` and ``run.SlurmExecutor``. Anything else is rejected before the task or executor changes.
+    Any executor; the section timeouts reach ft_launcher through ``run.LocalExecutor`` and ``run.SlurmExecutor``
+    (see the module docstring). A Python file must be run by ``entrypoint="python"`` (ft_launcher would exec it).
+    Anything refused is refused before the task or executor changes.
 
     Attributes:
         enable_ft_package: Value of the ``ft.enable_ft_package`` override (heartbeats and sections from training).
@@ -96,6 +141,8 @@ class FaultTolerancePlugin(run.Plugin):
         checkpointing_timeout: Timeout (seconds) of the ``checkpointing`` section; ``None`` disables it.
         out_of_section_timeout: Timeout (seconds) for time spent outside every section; ``None`` disables it.
         workload_check_interval: Seconds between the rank monitors' checks.
+        script_args_converter_fn: Makes the arguments of a ``run.Script`` task from
+            :class:`FaultTolerancePluginScriptArgs`; ``None``: ``ft.<field>=<Python literal>``.
     """
 
     enable_ft_package: bool = True
@@ -109,6 +156,7 @@ class FaultTolerancePlugin(run.Plugin):
     checkpointing_timeout: Optional[float] = 420
     out_of_section_timeout: Optional[float] = 300
     workload_check_interval: float = 5.0
+    script_args_converter_fn: Optional[Callable[[FaultTolerancePluginScriptArgs], list[str]]] = None
 
     def __post_init__(self) -> None:
         for name in ("num_in_job_restarts", "num_job_retries_on_failure"):
@@ -146,21 +194,24 @@ class FaultTolerancePlugin(run.Plugin):
         return yaml.safe_dump(self.ft_launcher_config(), sort_keys=False)
 
     def setup(self, task: Any, executor: Any) -> None:
-        """Switch ``executor`` to ``ft_launcher`` and enable fault tolerance in ``task``'s arguments.
+        """Switch ``executor`` to ``ft_launcher`` and enable fault tolerance in ``task``.
 
-        Everything is checked before anything changes: a rejected task or executor is left as it was.
+        Everything is checked before anything changes: a refused task or executor is left as it was.
 
         Args:
-            task: The task nemo_run is about to launch; must be a ``run.Script`` running Python.
-            executor: The task's executor; ``run.LocalExecutor`` or ``run.SlurmExecutor``.
+            task: The task nemo_run is about to launch: a ``run.Script`` or a ``run.Partial`` with a ``config``.
+            executor: The task's executor.
 
         Raises:
-            TypeError: If the task or executor type is not supported.
-            ValueError: If the script is inline or not run by Python, or a Slurm executor has no job directory yet.
+            TypeError: If the task is neither a ``run.Script`` nor a ``run.Partial`` with a ``config``.
+            ValueError: If a Python file is not run by Python, a Slurm executor has no job directory yet, or the task
+                enables in-process restart.
         """
-        _check_task(task)
-        _reject_inprocess_restart(task, type(self).__name__)
+        name = type(self).__name__
+        config = _check_task(task, name, launcher_replaced=True)
+        _reject_inprocess_restart(task, config, name)
         text = self.ft_launcher_config_yaml()
+        cfg_path, setup_lines = None, None
         if isinstance(executor, run.SlurmExecutor):
             if not executor.job_dir:
                 raise ValueError(
@@ -169,11 +220,13 @@ class FaultTolerancePlugin(run.Plugin):
                 )
             cfg_path, setup_lines = _slurm_cfg_lines(executor, text)
         elif isinstance(executor, run.LocalExecutor):
-            cfg_path, setup_lines = _write_local_cfg(text), None
+            cfg_path = _write_local_cfg(text)
         else:
-            raise TypeError(
-                f"FaultTolerancePlugin does not support executor type {type(executor).__name__}; "
-                "supported: nemo_run.LocalExecutor and nemo_run.SlurmExecutor"
+            logger.warning(
+                "FaultTolerancePlugin: section timeouts %s reach ft_launcher only through LocalExecutor and "
+                "SlurmExecutor; with %s it applies its own defaults",
+                self.rank_section_timeouts,
+                type(executor).__name__,
             )
 
         if executor.launcher is not None:
@@ -185,20 +238,26 @@ class FaultTolerancePlugin(run.Plugin):
             workload_check_interval=self.workload_check_interval,
         )
         executor.retries = self.num_job_retries_on_failure
-        executor.env_vars = {**executor.env_vars, FT_CFG_PATH_ENV: cfg_path}
+        if cfg_path is not None:
+            executor.env_vars = {**executor.env_vars, FT_CFG_PATH_ENV: cfg_path}
         if setup_lines:
             kept = _HEREDOC_BLOCK.sub("", executor.setup_lines or "").rstrip()  # drop a block from an earlier setup
             executor.setup_lines = f"{kept}\n{setup_lines}" if kept else setup_lines
 
-        overrides = [
-            f"ft.enable_ft_package={str(self.enable_ft_package).lower()}",
-            f"ft.calc_ft_timeouts={str(self.calc_ft_timeouts).lower()}",
-        ]
-        prefixes = tuple(f"{key}=" for key in _FT_OVERRIDE_KEYS)
-        task.args = [arg for arg in (task.args or []) if not arg.startswith(prefixes)] + overrides
+        if config is None:
+            args = FaultTolerancePluginScriptArgs(self.enable_ft_package, self.calc_ft_timeouts)
+            changes = _set_script_args(
+                task, (self.script_args_converter_fn or _default_fault_tolerance_converter)(args)
+            )
+        else:
+            if getattr(config, "ft", None) is None:
+                config.ft = FaultToleranceConfig()
+            config.ft.enable_ft_package = self.enable_ft_package
+            config.ft.calc_ft_timeouts = self.calc_ft_timeouts
+            changes = [f"ft.enable_ft_package={self.enable_ft_package}", f"ft.calc_ft_timeouts={self.calc_ft_timeouts}"]
         logger.info(
             "FaultTolerancePlugin: ft_launcher max_restarts=%d, job retries=%d, heartbeat timeouts %s/%s s, "
-            "section timeouts %s, out-of-section %s s, %s=%s; task args += %s",
+            "section timeouts %s, out-of-section %s s, %s=%s; task: %s",
             self.num_in_job_restarts,
             self.num_job_retries_on_failure,
             self.initial_rank_heartbeat_timeout,
@@ -207,25 +266,20 @@ class FaultTolerancePlugin(run.Plugin):
             self.out_of_section_timeout,
             FT_CFG_PATH_ENV,
             cfg_path,
-            overrides,
+            changes,
         )
-
-
-_PREEMPTION_OVERRIDE_KEYS = (
-    "train.exit_signal_handler",
-    "train.exit_signal_handler_for_dataloader",
-    "train.exit_signal_deadline",
-)
 
 
 @dataclass(kw_only=True)
 class PreemptionPlugin(run.Plugin):
     """Save a checkpoint and exit (code 18) when the job's time is about to run out or it is preempted.
 
-    ``setup`` appends to the task's arguments (replacing earlier values of these keys):
+    With ``enable_exit_handler``, ``setup`` appends to a ``run.Script`` task's arguments (replacing earlier values of
+    these keys; ``script_args_converter_fn`` may write :class:`PreemptionPluginScriptArgs` differently), or sets the
+    same fields on a ``run.Partial`` task's ``config.train``:
 
-    - ``train.exit_signal_handler=<enable_exit_handler>``: every rank watches for SIGTERM; one rank receiving it
-      stops all ranks after the same step;
+    - ``train.exit_signal_handler=True``: every rank watches for SIGTERM; one rank receiving it stops all ranks after
+      the same step;
     - ``train.exit_signal_handler_for_dataloader=<enable_exit_handler_for_data_loader>``;
     - ``train.exit_signal_deadline=<0.9 * preempt_time>``: the save and the exit must fit in the warning time.
 
@@ -234,18 +288,21 @@ class PreemptionPlugin(run.Plugin):
     (torchrun or ft_launcher, which pass it on to the ranks and wait for them) and the training ranks themselves.
     A job preempted by a higher-priority partition gets SIGTERM from Slurm in the same way. Resuming needs a new
     start of the job: ``FaultTolerancePlugin`` requeues a job that did not finish, or submit with ``--requeue``
-    where the cluster preempts by requeueing. With ``run.LocalExecutor`` only the training side is enabled: a
-    SIGTERM sent to the ranks, or to ``megatron.bridge.launch`` or ft_launcher (both pass it on), saves and exits.
+    where the cluster preempts by requeueing. With other executors only the training side is enabled: a SIGTERM
+    sent to the ranks, or to ``megatron.bridge.launch`` or ft_launcher (both pass it on), saves and exits.
 
     Attributes:
         preempt_time: Seconds before the time limit at which Slurm sends SIGTERM.
         enable_exit_handler: Value of ``train.exit_signal_handler``.
         enable_exit_handler_for_data_loader: Value of ``train.exit_signal_handler_for_dataloader``.
+        script_args_converter_fn: Makes the arguments of a ``run.Script`` task from
+            :class:`PreemptionPluginScriptArgs`; ``None``: ``train.<field>=<Python literal>``.
     """
 
     preempt_time: int = 60
     enable_exit_handler: bool = True
     enable_exit_handler_for_data_loader: bool = False
+    script_args_converter_fn: Optional[Callable[[PreemptionPluginScriptArgs], list[str]]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.preempt_time, bool) or not isinstance(self.preempt_time, int) or self.preempt_time < 1:
@@ -264,43 +321,57 @@ class PreemptionPlugin(run.Plugin):
         return round(0.9 * self.preempt_time, 1)
 
     def setup(self, task: Any, executor: Any) -> None:
-        """Enable the exit handler in ``task``'s arguments and, on Slurm, the early signal.
+        """Enable the exit handler in ``task`` and, on Slurm, the early signal.
 
         Raises:
-            TypeError: If the task or executor type is not supported.
-            ValueError: If the script is inline or not run by Python.
+            TypeError: If the task is neither a ``run.Script`` nor a ``run.Partial`` with a ``config``.
+            ValueError: If the task enables in-process restart.
         """
-        _check_task(task, type(self).__name__)
-        _reject_inprocess_restart(task, type(self).__name__)
-        if not isinstance(executor, (run.SlurmExecutor, run.LocalExecutor)):
-            raise TypeError(
-                f"PreemptionPlugin does not support executor type {type(executor).__name__}; "
-                "supported: nemo_run.LocalExecutor and nemo_run.SlurmExecutor"
+        name = type(self).__name__
+        config = _check_task(task, name, launcher_replaced=False)
+        _reject_inprocess_restart(task, config, name)
+        slurm = isinstance(executor, run.SlurmExecutor)
+        changes: list[str] = []
+        if self.enable_exit_handler:
+            if slurm:
+                executor.signal = f"TERM@{self.preempt_time}"
+            args = PreemptionPluginScriptArgs(
+                self.enable_exit_handler, self.enable_exit_handler_for_data_loader, self.exit_signal_deadline
             )
-        if isinstance(executor, run.SlurmExecutor) and self.enable_exit_handler:
-            executor.signal = f"TERM@{self.preempt_time}"
-        overrides = [
-            f"train.exit_signal_handler={str(self.enable_exit_handler).lower()}",
-            f"train.exit_signal_handler_for_dataloader={str(self.enable_exit_handler_for_data_loader).lower()}",
-            f"train.exit_signal_deadline={self.exit_signal_deadline}",
-        ]
-        prefixes = tuple(f"{key}=" for key in _PREEMPTION_OVERRIDE_KEYS)
-        task.args = [arg for arg in (task.args or []) if not arg.startswith(prefixes)] + overrides
+            if config is None:
+                changes = _set_script_args(task, (self.script_args_converter_fn or _default_preemption_converter)(args))
+            else:
+                config.train.exit_signal_handler = True
+                config.train.exit_signal_handler_for_dataloader = self.enable_exit_handler_for_data_loader
+                config.train.exit_signal_deadline = self.exit_signal_deadline
+                changes = _default_preemption_converter(args)
         logger.info(
-            "PreemptionPlugin: %s; task args += %s",
-            f"SIGTERM {self.preempt_time} s before the limit" if isinstance(executor, run.SlurmExecutor) else "local",
-            overrides,
+            "PreemptionPlugin: %s; task: %s",
+            f"SIGTERM {self.preempt_time} s before the limit" if slurm else "no scheduler signal",
+            changes,
         )
 
 
-def _reject_inprocess_restart(task: Any, plugin: str) -> None:
+def _set_script_args(task: Any, overrides: list[str]) -> list[str]:
+    """Append ``overrides`` to ``task.args``, dropping earlier arguments that set the same keys; return them."""
+    keys = tuple(f"{arg.split('=', 1)[0].lstrip('+')}=" for arg in overrides if "=" in arg)
+    task.args = [arg for arg in (task.args or []) if not str(arg).lstrip("+").startswith(keys)] + list(overrides)
+    return list(overrides)
+
+
+def _reject_inprocess_restart(task: Any, config: Any, plugin: str) -> None:
     """Refuse a task that enables in-process restart (seed pitfall 3), before anything is changed.
 
     Raises:
-        ValueError: ``inprocess_restart.enabled=true`` is among the task's arguments.
+        ValueError: ``inprocess_restart.enabled=true`` is among the task's arguments, or set in its config.
     """
     enabling = {f"inprocess_restart.enabled={v}" for v in ("true", "1", "yes", "on", "y")}  # OmegaConf's spellings
-    if any(str(arg).strip().lower().lstrip("+") in enabling for arg in task.args or []):
+    if config is not None:
+        section = getattr(config, "inprocess_restart", None)
+        enabled = bool(section is not None and getattr(section, "enabled", False))
+    else:
+        enabled = any(str(arg).strip().lower().lstrip("+") in enabling for arg in task.args or [])
+    if enabled:
         raise ValueError(
             f"{plugin} cannot be combined with inprocess_restart.enabled=true: in-process restart terminates hung "
             "ranks with SIGTERM and restarts inside the processes, which the plugin's launcher and signal handling "
@@ -341,25 +412,29 @@ def _slurm_cfg_lines(executor: Any, text: str) -> tuple[str, str]:
     return f"/{_nemo_run_config.RUNDIR_NAME}/{SLURM_FT_CFG_NAME}", lines
 
 
-def _check_task(task: Any, plugin: str = "FaultTolerancePlugin") -> None:
-    """Raise if ``task`` is not a ``run.Script`` that runs a Python file or module."""
+def _check_task(task: Any, plugin: str, launcher_replaced: bool) -> Any:
+    """The ``config`` of a ``run.Partial`` task, or ``None`` for a ``run.Script``; raise for anything else.
+
+    With ``launcher_replaced`` (ft_launcher), a Python file must be run by ``entrypoint="python"``: nemo_run's
+    default ``bash`` makes ft_launcher exec the file itself with ``--no-python``.
+    """
     if isinstance(task, run.Partial):
-        raise TypeError(
-            f"{plugin} does not support {type(task).__name__} tasks ({task.__fn_or_cls__!r}); "
-            "supported: nemo_run.Script(path=<entry script.py>, entrypoint='python', args=[dotted overrides])"
-        )
+        config = getattr(task, "config", None)
+        if config is None:
+            raise TypeError(
+                f"{plugin} needs a run.Partial whose target takes the ConfigContainer as `config` (as "
+                f"megatron.bridge.training.pretrain.pretrain does); {task.__fn_or_cls__!r} got none"
+            )
+        return config
     if not isinstance(task, run.Script):
         raise TypeError(
-            f"{plugin} does not support task type {type(task).__name__}; "
-            "supported: nemo_run.Script(path=<entry script.py>, entrypoint='python', args=[dotted overrides])"
+            f"{plugin} does not support task type {type(task).__name__}; supported: nemo_run.Script "
+            "(settings become dotted overrides) and nemo_run.Partial with a `config` (settings are set on it)"
         )
-    if task.inline:
+    if launcher_replaced and not task.inline and str(task.path).endswith(".py") and task.entrypoint != "python":
         raise ValueError(
-            f"{plugin} does not support inline scripts (run.Script(inline=...)): the launcher must start "
-            "a Python entry script; use run.Script(path=<entry script.py>, entrypoint='python', args=[...])"
+            f"{plugin} needs run.Script(..., entrypoint='python') for the Python file {task.path!r}; got "
+            f"entrypoint={task.entrypoint!r} (nemo_run's default 'bash' would make ft_launcher exec the file with "
+            "--no-python)"
         )
-    if task.entrypoint != "python":
-        raise ValueError(
-            f"{plugin} needs run.Script(..., entrypoint='python'); got entrypoint={task.entrypoint!r} "
-            f"for {task.path!r} (nemo_run's default 'bash' would make ft_launcher exec the file with --no-python)"
-        )
+    return None
