@@ -69,7 +69,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, results: "mp.Queue")
 
         apply_cpu_shims()
     cfg = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=args.report_interval)
-    manager = NVRxStragglerDetectionManager(cfg, rank)
+    manager = NVRxStragglerDetectionManager(cfg)
     manager.initialize()
     a, products = _calibrate(args.step_ms / 1000)
     grads = torch.zeros(2_000_000)  # 8 MB of fp32 gradients

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
@@ -86,7 +87,7 @@ def test_python_snippets_build_valid_configs(doc, monkeypatch):
     for name, value in {**ipr_env, **launcher_env}.items():
         monkeypatch.setenv(name, value)  # and for the environment the in-process restart section exports
     for block in _PY_BLOCK.findall(doc.read_text()):
-        cfg = ConfigContainer()
+        cfg = base_config()
         namespace = {"cfg": cfg}
         exec(compile(block, str(doc), "exec"), namespace)
         for value in namespace.values():
@@ -106,7 +107,7 @@ def test_dotted_overrides_are_real_fields(doc):
     text = doc.read_text()
     items = [item for item in _OVERRIDE.findall(text) if item.split(".")[0] in ConfigContainer.__dataclass_fields__]
     for item in items:
-        apply_overrides(ConfigContainer(), [item])
+        apply_overrides(base_config(), [item])
 
 
 def test_exit_code_table_matches_enum():

@@ -7,6 +7,7 @@ import pytest
 
 run = pytest.importorskip("nemo_run")
 
+from tests.unit_tests.configs import base_config  # noqa: E402
 from tests.unit_tests.recipes.test_run_plugins import _sbatch_script, nemorun_home, stdin_devnull  # noqa: E402, F401
 
 from megatron.bridge.recipes.run_plugins import (  # noqa: E402
@@ -52,7 +53,7 @@ def test_local_executor_gets_overrides_that_validate_and_replace_earlier_ones():
         "train.exit_signal_handler_for_dataloader=True",
         "train.exit_signal_deadline=108.0",
     ]
-    cfg = apply_overrides(ConfigContainer(), task.args)
+    cfg = apply_overrides(base_config(), task.args)
     cfg.validate(world_size=2)
     assert cfg.train.exit_signal_handler and cfg.train.exit_signal_deadline == 108.0
 
@@ -62,7 +63,7 @@ def _pretrain_like(config: ConfigContainer) -> None:
 
 
 def test_a_partial_task_and_any_executor_get_the_handler_without_a_scheduler_signal():
-    task = run.Partial(_pretrain_like, config=ConfigContainer())
+    task = run.Partial(_pretrain_like, config=base_config())
     executor = run.DockerExecutor(container_image="i")
     PreemptionPlugin(preempt_time=30).setup(task, executor)
     train = task.config.train

@@ -14,6 +14,7 @@ import pytest
 run = pytest.importorskip("nemo_run")
 import nemo_run.config  # noqa: E402
 from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig  # noqa: E402
+from tests.unit_tests.configs import base_config  # noqa: E402
 
 from megatron.bridge.recipes.run_plugins import (  # noqa: E402
     FT_CFG_PATH_ENV,
@@ -177,6 +178,12 @@ def _noop(x: int) -> int:
     return x
 
 
+def _with_inprocess_restart() -> ConfigContainer:
+    cfg = base_config()
+    cfg.inprocess_restart = InProcessRestartConfig(enabled=True)
+    return cfg
+
+
 def _pretrain_like(config: ConfigContainer) -> None:
     """A target taking the config the way megatron.bridge.training.pretrain.pretrain does."""
 
@@ -191,9 +198,7 @@ UNSUPPORTED_TASKS = [
         lambda: _script("inprocess_restart.enabled=True"), ValueError, r"inprocess_restart.enabled", id="ipr-script"
     ),
     pytest.param(
-        lambda: run.Partial(
-            _pretrain_like, config=ConfigContainer(inprocess_restart=InProcessRestartConfig(enabled=True))
-        ),
+        lambda: run.Partial(_pretrain_like, config=_with_inprocess_restart()),
         ValueError,
         r"inprocess_restart.enabled",
         id="ipr-partial",
@@ -216,7 +221,7 @@ def test_unsupported_tasks_are_rejected_before_anything_changes(nemorun_home, ma
 
 
 def test_a_partial_task_gets_the_settings_in_its_config(nemorun_home):
-    config = ConfigContainer()
+    config = base_config()
     config.ft = None  # Megatron-Bridge's default: no ft section
     task = run.Partial(_pretrain_like, config=config)
     executor = run.LocalExecutor(ntasks_per_node=2)

@@ -1,8 +1,12 @@
 """Every ``ConfigContainer.validate()`` check, and the dotted override parser."""
 
+import re
 import signal
+import typing
 
 import pytest
+import torch
+from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.utils.overrides import apply_overrides
@@ -199,13 +203,13 @@ INVALID = [
 
 
 def test_defaults_validate():
-    ConfigContainer().validate(world_size=1)
-    ConfigContainer().validate(world_size=2)
+    base_config().validate(world_size=1)
+    base_config().validate(world_size=2)
 
 
 @pytest.mark.parametrize("overrides,world_size,field_name", INVALID, ids=[" ".join(c[0]) for c in INVALID])
 def test_invalid_config_names_the_field(overrides, world_size, field_name):
-    cfg = apply_overrides(ConfigContainer(), overrides)
+    cfg = apply_overrides(base_config(), overrides)
     with pytest.raises(ValueError) as err:
         cfg.validate(world_size=world_size)
     message = str(err.value)
@@ -218,7 +222,7 @@ def test_nccl_rejected_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: nccl is valid here")
-    cfg = apply_overrides(ConfigContainer(), ["dist.backend=nccl"])
+    cfg = apply_overrides(base_config(), ["dist.backend=nccl"])
     with pytest.raises(ValueError, match=r"^dist\.backend:"):
         cfg.validate(world_size=1)
 
@@ -226,12 +230,15 @@ def test_nccl_rejected_without_cuda():
 def test_straggler_detection_accepts_its_documented_settings():
     overrides = ["nvrx_straggler.enabled=true", "nvrx_straggler.gpu_relative_perf_threshold=1.0"]
     overrides += ["nvrx_straggler.calc_relative_gpu_perf=false", "checkpoint.save=/tmp/x"]
-    cfg = apply_overrides(ConfigContainer(), overrides + ["nvrx_straggler.stop_if_detected=true"])
+    cfg = apply_overrides(base_config(), overrides + ["nvrx_straggler.stop_if_detected=true"])
     cfg.validate(world_size=2)
 
 
 def test_stop_on_straggler_without_checkpoints_warns(caplog):
-    cfg = apply_overrides(ConfigContainer(), ["nvrx_straggler.enabled=true", "nvrx_straggler.stop_if_detected=true"])
+    cfg = apply_overrides(
+        base_config(),
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.stop_if_detected=true"],
+    )
     with caplog.at_level("WARNING"):
         cfg.validate(world_size=2)
     assert "checkpoint.save is not set" in caplog.text
@@ -239,19 +246,19 @@ def test_stop_on_straggler_without_checkpoints_warns(caplog):
 
 def test_ft_valid_under_ft_launcher(monkeypatch):
     monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/tmp/rmon.sock")
-    cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true", "ft.simulate_fault=true"])
+    cfg = apply_overrides(base_config(), ["ft.enable_ft_package=true", "ft.simulate_fault=true"])
     cfg.validate(world_size=2)
 
 
 def test_ft_outside_ft_launcher_says_what_to_do(monkeypatch):
     monkeypatch.delenv("FT_RANK_MONITOR_IPC_SOCKET", raising=False)
-    cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true"])
+    cfg = apply_overrides(base_config(), ["ft.enable_ft_package=true"])
     with pytest.raises(ValueError, match="launch with ft_launcher"):
         cfg.validate(world_size=2)
 
 
 def test_exit_signal_that_is_no_signal():
-    cfg = ConfigContainer()
+    cfg = base_config()
     cfg.train.exit_signal = 999  # set in Python; a dotted override is already rejected by the parser
     with pytest.raises(ValueError, match=r"^train\.exit_signal: 999 is not a signal"):
         cfg.validate(world_size=1)
@@ -262,18 +269,18 @@ def test_bf16_rejected_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: bf16 is valid here")
-    cfg = apply_overrides(ConfigContainer(), ["model.params_dtype=bfloat16"])
+    cfg = apply_overrides(base_config(), ["model.params_dtype=bfloat16"])
     with pytest.raises(ValueError, match=r"^model\.params_dtype: bfloat16 needs CUDA"):
         cfg.validate(world_size=1)
 
 
 def test_tensor_parallel_two_is_valid():
-    cfg = apply_overrides(ConfigContainer(), ["model.tensor_model_parallel_size=2", "train.global_batch_size=4"])
+    cfg = apply_overrides(base_config(), ["model.tensor_model_parallel_size=2", "train.global_batch_size=4"])
     cfg.validate(world_size=2)
 
 
 def test_world_size_from_environment(monkeypatch):
-    cfg = apply_overrides(ConfigContainer(), ["model.tensor_model_parallel_size=2"])
+    cfg = apply_overrides(base_config(), ["model.tensor_model_parallel_size=2"])
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="model.tensor_model_parallel_size"):
         cfg.validate()
@@ -281,7 +288,7 @@ def test_world_size_from_environment(monkeypatch):
 
 def test_overrides_apply_types():
     cfg = apply_overrides(
-        ConfigContainer(),
+        base_config(),
         [
             "train.train_iters=7",
             "train.exit_signal=SIGUSR1",
@@ -310,34 +317,34 @@ def test_overrides_apply_types():
 )
 def test_bad_overrides_are_named(item, needle):
     with pytest.raises(ValueError) as err:
-        apply_overrides(ConfigContainer(), [item])
+        apply_overrides(base_config(), [item])
     assert needle in str(err.value)
     assert item in str(err.value)
 
 
 def test_overrides_do_not_mutate_input():
-    base = ConfigContainer()
+    base = base_config()
     apply_overrides(base, ["train.train_iters=3"])
     assert base.train.train_iters == 100
 
 
 def test_local_tier_with_replication_across_nodes_is_valid(monkeypatch, caplog):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true"])
+    cfg = apply_overrides(base_config(), [*LOCAL_TIER, "checkpoint.replication=true"])
     cfg.validate(world_size=4)  # two nodes of two ranks: jump 2 (ranks per node), factor 2
     assert "replica" not in caplog.text
 
 
 def test_replication_jump_defaults_to_ranks_per_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true"])
+    cfg = apply_overrides(base_config(), [*LOCAL_TIER, "checkpoint.replication=true"])
     with pytest.raises(ValueError, match="not divisible by replication_jump \\* replication_factor = 4 \\* 2"):
         cfg.validate(world_size=4)  # one node of four ranks: its replicas would need a second node
 
 
 def test_replication_without_ranks_per_node_says_how_to_launch(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true"])
+    cfg = apply_overrides(base_config(), [*LOCAL_TIER, "checkpoint.replication=true"])
     with pytest.raises(ValueError, match="^checkpoint.replication_jump: defaults to ranks per node"):
         cfg.validate(world_size=2)
 
@@ -345,7 +352,8 @@ def test_replication_without_ranks_per_node_says_how_to_launch(monkeypatch):
 def test_replicas_on_their_owners_node_warn(monkeypatch, caplog):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = apply_overrides(
-        ConfigContainer(), [*LOCAL_TIER, "checkpoint.replication=true", "checkpoint.replication_jump=1"]
+        base_config(),
+        [*LOCAL_TIER, "checkpoint.replication=true", "checkpoint.replication_jump=1"],
     )
     cfg.validate(world_size=2)
     assert "kept on their owner's node" in caplog.text
@@ -353,7 +361,7 @@ def test_replicas_on_their_owners_node_warn(monkeypatch, caplog):
 
 
 def test_local_interval_not_shorter_than_global_warns(caplog):
-    cfg = apply_overrides(ConfigContainer(), [*LOCAL_TIER, "checkpoint.save_interval=5"])
+    cfg = apply_overrides(base_config(), [*LOCAL_TIER, "checkpoint.save_interval=5"])
     cfg.validate(world_size=1)
     assert "a global save replaces the local one" in caplog.text
 
@@ -365,13 +373,73 @@ def test_liveness_ping_with_inprocess_restart_is_rejected(monkeypatch):
     }.items():  # fmt: skip
         monkeypatch.setenv(name, value)
     base = ["inprocess_restart.enabled=true"]
-    apply_overrides(ConfigContainer(), base).validate(world_size=2)  # valid on its own
-    cfg = apply_overrides(ConfigContainer(), [*base, "health.liveness_ping_interval=5"])
+    apply_overrides(base_config(), base).validate(world_size=2)  # valid on its own
+    cfg = apply_overrides(base_config(), [*base, "health.liveness_ping_interval=5"])
     with pytest.raises(ValueError, match=r"^health.liveness_ping_interval: .*in-process restart.*Fix:"):
         cfg.validate(world_size=2)
 
 
 def test_liveness_ping_settings_validate():
-    cfg = apply_overrides(ConfigContainer(), ["health.liveness_ping_interval=5", "health.liveness_ping_timeout=10"])
+    cfg = apply_overrides(
+        base_config(),
+        ["health.liveness_ping_interval=5", "health.liveness_ping_timeout=10"],
+    )
     cfg.validate(world_size=2)
     assert cfg.health.liveness_ping_interval == 5 and cfg.health.liveness_ping_timeout == 10.0
+
+
+def test_overrides_in_megatron_bridge_forms():
+    import dataclasses
+
+    cfg = base_config()
+    cfg.ft = None  # an optional section that is off
+    cfg = apply_overrides(
+        cfg,
+        [
+            "+ft.enable_ft_package=True",  # the section is created with its defaults
+            "checkpoint.most_recent_k=-1",
+            "logger.tensorboard_dir=123",  # text field: digits stay text
+            "ft.simulated_fault_rank=None",
+            "checkpoint.async_save=yes",
+        ],
+    )
+    assert cfg.ft.enable_ft_package is True and cfg.ft.calc_ft_timeouts is False
+    assert cfg.logger.tensorboard_dir == "123" and cfg.checkpoint.async_save is True
+    cleared = apply_overrides(cfg, ["~checkpoint.save", "~ft.simulated_fault_rank"])
+    assert cleared.checkpoint.save is None
+    with pytest.raises(ValueError, match=r"'~train.train_iters'.*cannot be None"):
+        apply_overrides(cfg, ["~train.train_iters"])
+
+    @dataclasses.dataclass
+    class Typed:
+        mode: typing.Literal["a", "b"] = "a"
+        dtype: torch.dtype = torch.float32
+        ranks: list[int] = dataclasses.field(default_factory=list)
+        fn: typing.Callable = print
+
+    typed = apply_overrides(Typed(), ["mode=b", "dtype=bf16", "ranks=[0, 3]"])
+    assert (typed.mode, typed.dtype, typed.ranks) == ("b", torch.bfloat16, [0, 3])
+    for item, needle in [
+        ("mode=c", "mode expects one of 'a', 'b', got 'c'"),
+        ("dtype=int3", "dtype expects a dtype"),
+        ("ranks=3", "ranks expects a list literal"),
+        ("fn=len", "cannot be given on the command line: set it in Python"),
+        ("mod=a", "did you mean mode?"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            apply_overrides(Typed(), [item])
+
+
+@pytest.mark.parametrize(
+    "item,needle",
+    [
+        ("checkpoint.sav=/x", "checkpoint has no field 'sav'; did you mean checkpoint.save?"),
+        ("train.train_iters=2.5", "train.train_iters expects an integer, got '2.5'"),
+        ("checkpoint.async_save=maybe", "checkpoint.async_save expects True or False"),
+        ("checkpoint.save.dir=/x", "checkpoint.save is a value, not a section"),
+        ("trian.train_iters=3", "did you mean train?"),
+    ],
+)
+def test_bad_overrides_name_the_field_and_the_fix(item, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        apply_overrides(base_config(), [item])

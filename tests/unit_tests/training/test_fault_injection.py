@@ -10,9 +10,10 @@ import time
 
 import pytest
 import torch
+from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import fault_injection
-from megatron.bridge.training.config import ConfigContainer, FaultInjectionConfig
+from megatron.bridge.training.config import FaultInjectionConfig
 from megatron.bridge.training.fault_injection import Fault, FaultRegistry, StepFaults, parse
 from megatron.bridge.training.fault_tolerance import maybe_setup_simulated_fault
 from megatron.bridge.training.utils.overrides import apply_overrides
@@ -364,7 +365,7 @@ def test_without_an_installed_registry_the_environment_alone_applies(monkeypatch
 def test_validate_rejects_a_bad_spec_naming_the_field(monkeypatch, overrides, env, field, bad):
     if env:
         monkeypatch.setenv(fault_injection.ENV, env)
-    cfg = apply_overrides(ConfigContainer(), overrides)
+    cfg = apply_overrides(base_config(), overrides)
     with pytest.raises(ValueError) as err:
         cfg.validate(world_size=2)
     assert str(err.value).startswith(f"{field}: ") and bad in str(err.value), str(err.value)
@@ -377,7 +378,7 @@ def test_validate_accepts_faults_from_both_sources(monkeypatch, tmp_path):
         "fault_injection.faults=nan@8:1:local_save,kill@6:0:save.after_rename",
         f"fault_injection.ledger={ledger}",
     ]
-    apply_overrides(ConfigContainer(), overrides).validate(world_size=2)
+    apply_overrides(base_config(), overrides).validate(world_size=2)
 
 
 @pytest.mark.parametrize(
@@ -392,7 +393,7 @@ def test_validate_accepts_faults_from_both_sources(monkeypatch, tmp_path):
     ],
 )
 def test_simulate_fault_is_a_timed_registry_fault(fields, world_size, expected):
-    cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true", "ft.simulate_fault=true", *fields])
+    cfg = apply_overrides(base_config(), ["ft.enable_ft_package=true", "ft.simulate_fault=true", *fields])
     installed = fault_injection.install(FaultInjectionConfig())
     armed = maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed, world_size=world_size)
     assert [str(f) for f in armed] == [expected]
@@ -401,7 +402,7 @@ def test_simulate_fault_is_a_timed_registry_fault(fields, world_size, expected):
 
 def test_a_random_simulated_fault_is_the_same_on_every_rank_and_follows_the_seed():
     def chosen(seed: int, rank: int) -> list[str]:
-        cfg = apply_overrides(ConfigContainer(), ["ft.enable_ft_package=true", "ft.simulate_fault=true"])
+        cfg = apply_overrides(base_config(), ["ft.enable_ft_package=true", "ft.simulate_fault=true"])
         cfg.rng.seed = seed
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RANK", str(rank))
@@ -415,7 +416,7 @@ def test_a_random_simulated_fault_is_the_same_on_every_rank_and_follows_the_seed
 
 
 def test_simulated_fault_off_adds_nothing():
-    cfg = apply_overrides(ConfigContainer(), ["ft.simulated_fault_type=rank_hung", "ft.simulated_fault_rank=1"])
+    cfg = apply_overrides(base_config(), ["ft.simulated_fault_type=rank_hung", "ft.simulated_fault_rank=1"])
     installed = fault_injection.install(FaultInjectionConfig())
     assert maybe_setup_simulated_fault(cfg.ft, seed=1, world_size=2) == [] and installed.faults == []
     assert maybe_setup_simulated_fault(None) == []  # no ft section at all

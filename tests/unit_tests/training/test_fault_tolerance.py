@@ -7,9 +7,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import fault_tolerance
-from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.utils.overrides import apply_overrides
 
@@ -61,7 +61,10 @@ def fake_client(monkeypatch):
 
 
 def _state(tmp_path, *overrides):
-    cfg = apply_overrides(ConfigContainer(), [f"checkpoint.save={tmp_path}", f"checkpoint.load={tmp_path}", *overrides])
+    cfg = apply_overrides(
+        base_config(),
+        [f"checkpoint.save={tmp_path}", f"checkpoint.load={tmp_path}", *overrides],
+    )
     state = GlobalState()
     state.cfg = cfg
     return cfg, state

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import device_health, hang_attribution
 from megatron.bridge.training.config import HealthConfig
@@ -117,10 +118,9 @@ def test_a_reused_attempt_name_keeps_the_earlier_evidence(tmp_path):
 
 
 def test_a_long_healthy_step_does_not_dump_when_only_the_ping_is_on():
-    from megatron.bridge.training.config import ConfigContainer
     from megatron.bridge.training.pretrain import _stack_dump_delay
 
-    cfg = ConfigContainer()
+    cfg = base_config()
     cfg.health.liveness_ping_interval, cfg.health.liveness_ping_timeout = 10, 60.0
     ft = types.SimpleNamespace(section_timeout=lambda section: None)
     watch = types.SimpleNamespace(last_duration=lambda section: 45.0)

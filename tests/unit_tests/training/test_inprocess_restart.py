@@ -3,8 +3,9 @@
 import datetime
 
 import pytest
+from tests.unit_tests.configs import base_config
 
-from megatron.bridge.training.config import ConfigContainer, InProcessRestartConfig
+from megatron.bridge.training.config import InProcessRestartConfig
 from megatron.bridge.training.inprocess_restart import RestartIteration, build_wrapper, maybe_wrap_for_inprocess_restart
 from megatron.bridge.training.pretrain import _Teardown
 from megatron.bridge.training.state import GlobalState
@@ -23,7 +24,7 @@ def ipr_env(monkeypatch):
 
 
 def _validate(*overrides: str, world_size: int = 2) -> None:
-    apply_overrides(ConfigContainer(), ["inprocess_restart.enabled=true", *overrides]).validate(world_size=world_size)
+    apply_overrides(base_config(), ["inprocess_restart.enabled=true", *overrides]).validate(world_size=world_size)
 
 
 def test_documented_settings_validate(ipr_env):

@@ -3,8 +3,9 @@
 import signal
 
 import torch
+from tests.unit_tests.configs import base_config
 
-from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.config import NVRxStragglerDetectionConfig
 from megatron.bridge.training.state import FaultToleranceState, GlobalState, TrainState
 
 
@@ -24,8 +25,12 @@ def test_train_state_round_trip_and_older_forms():
 
 
 def test_global_state_builds_its_handles_once_and_a_restart_forgets_them():
-    cfg = ConfigContainer()
+    cfg = base_config()
     cfg.train.exit_signal = signal.SIGUSR1
+    state = GlobalState()
+    state.cfg = cfg
+    assert state.nvrx_straggler_manager is None  # no nvrx_straggler section: no manager, as upstream
+    cfg.nvrx_straggler = NVRxStragglerDetectionConfig()
     state = GlobalState()
     state.cfg = cfg
     assert state.cfg is cfg

@@ -365,7 +365,7 @@ def _reject_inprocess_restart(task: Any, config: Any, plugin: str) -> None:
     Raises:
         ValueError: ``inprocess_restart.enabled=true`` is among the task's arguments, or set in its config.
     """
-    enabling = {f"inprocess_restart.enabled={v}" for v in ("true", "1", "yes", "on", "y")}  # OmegaConf's spellings
+    enabling = {f"inprocess_restart.enabled={v}" for v in ("true", "yes", "on")}  # the override parser's spellings
     if config is not None:
         section = getattr(config, "inprocess_restart", None)
         enabled = bool(section is not None and getattr(section, "enabled", False))

@@ -8,18 +8,28 @@ Train it with any launcher; the module ships in the package, so this works from 
     torchrun --nproc-per-node=2 -m megatron.bridge.recipes.tiny_gpt checkpoint.save=/ckpt checkpoint.load=/ckpt
 """
 
-from megatron.bridge.training.config import (
-    CheckpointConfig,
-    ConfigContainer,
-    ModelConfig,
-    TrainConfig,
-)
+from megatron.bridge.models import GPTModelProvider
+from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, TrainConfig
+
+
+def tiny_gpt_provider() -> GPTModelProvider:
+    """A 2-layer GPT of width 64 with 4 heads, a vocabulary of 128 and sequences of 32 tokens."""
+    return GPTModelProvider(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=128,
+        seq_length=32,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        init_method_std=0.02,
+    )
 
 
 def tiny_gpt_config() -> ConfigContainer:
     """A config that trains the tiny GPT for 20 iterations; set ``checkpoint.save``/``load`` to checkpoint."""
     return ConfigContainer(
-        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32),
+        model=tiny_gpt_provider(),
         train=TrainConfig(train_iters=20, micro_batch_size=2, global_batch_size=8),
         checkpoint=CheckpointConfig(most_recent_k=3),
     )

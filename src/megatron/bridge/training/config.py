@@ -6,9 +6,13 @@ inconsistent combination with a :class:`ValueError` that names the field and the
 ``config_validation.py``).
 """
 
+import dataclasses
 import signal
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # the provider is a megatron-core class; importing it here would import megatron-core with config
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
 
 
 @dataclass
@@ -17,38 +21,6 @@ class RNGConfig:
 
     seed: int = 1234
     """Seed for every generator (python, numpy, torch, and megatron-core's model-parallel RNG tracker)."""
-
-
-@dataclass
-class ModelConfig:
-    """A GPT model built with megatron-core's ``GPTModel`` and its local (Transformer-Engine-free) layer spec."""
-
-    num_layers: int = 2
-    """Number of transformer layers."""
-    hidden_size: int = 64
-    """Width of the residual stream."""
-    ffn_hidden_size: Optional[int] = None
-    """Width of the MLP; ``None`` means ``4 * hidden_size``."""
-    num_attention_heads: int = 4
-    """Number of attention heads; must divide ``hidden_size`` and be divisible by the tensor parallel size."""
-    vocab_size: int = 128
-    """Vocabulary size; must be divisible by ``tensor_model_parallel_size``."""
-    seq_length: int = 32
-    """Sequence length of every training sample (also the maximum position embedding)."""
-    hidden_dropout: float = 0.1
-    """Dropout probability after attention and MLP."""
-    attention_dropout: float = 0.1
-    """Dropout probability on attention scores."""
-    init_method_std: float = 0.02
-    """Standard deviation of the normal weight initialisation."""
-    params_dtype: str = "float32"
-    """Parameter dtype: ``"float32"`` or ``"bfloat16"`` (bf16 keeps fp32 master weights in the optimizer)."""
-    tensor_model_parallel_size: int = 1
-    """Tensor parallel size; must divide the world size."""
-    pipeline_model_parallel_size: int = 1
-    """Pipeline parallel size; only 1 is supported by this trunk."""
-    share_embeddings_and_output_weights: bool = True
-    """Tie the input embedding and the output projection."""
 
 
 @dataclass
@@ -248,6 +220,14 @@ class StragglerDetectionConfig:
     """Enable the legacy detector; only ``False`` is accepted (use ``nvrx_straggler.enabled``)."""
 
 
+def is_enabled(section: Optional[object], flag: str = "enabled") -> bool:
+    """Whether an optional section is set and switched on (``None`` is off).
+
+    Example: ``is_enabled(cfg.ft, "enable_ft_package")``.
+    """
+    return section is not None and bool(getattr(section, flag))
+
+
 INPROCESS_STORE_PORT_OFFSET = 2
 """In-process restart's store listens on ``MASTER_PORT + 2`` (the launcher's store is on ``MASTER_PORT``)."""
 
@@ -346,12 +326,13 @@ class HealthConfig:
     off when none applies. 0: off."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConfigContainer:
-    """Everything that describes one pretraining run."""
+    """Everything that describes one pretraining run (keyword arguments only)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model architecture and parallelism."""
+    model: "GPTModelProvider"
+    """The model and its parallelism: a ``GPTModelProvider`` (``megatron.bridge.models``), i.e. a megatron-core
+    ``TransformerConfig`` that builds the model."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Loop length, batch sizes, early exits."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -368,14 +349,14 @@ class ConfigContainer:
     """torch.distributed."""
     rng: RNGConfig = field(default_factory=RNGConfig)
     """Seeds."""
-    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    """Fault tolerance."""
-    nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
-    """Straggler detection."""
-    straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
-    """The legacy straggler detector (rejected when enabled)."""
-    inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
-    """In-process restart."""
+    ft: Optional[FaultToleranceConfig] = None
+    """Fault tolerance; ``None`` is off (a dotted override of one of its fields creates it)."""
+    nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
+    """Straggler detection; ``None`` is off."""
+    straggler: Optional[StragglerDetectionConfig] = None
+    """The legacy straggler detector (rejected when enabled); ``None`` is off."""
+    inprocess_restart: Optional[InProcessRestartConfig] = None
+    """In-process restart; ``None`` is off."""
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     """Re-run state machine."""
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -391,4 +372,15 @@ class ConfigContainer:
         """
         from megatron.bridge.training.config_validation import validate_config  # one way: it never imports this
 
-        validate_config(self, world_size, INPROCESS_STORE_PORT_OFFSET)
+        validate_config(_with_sections(self), world_size, INPROCESS_STORE_PORT_OFFSET)
+
+
+def _with_sections(cfg: ConfigContainer) -> ConfigContainer:
+    """A shallow copy of ``cfg`` whose optional resiliency sections that are ``None`` hold their (off) defaults."""
+    return dataclasses.replace(
+        cfg,
+        ft=cfg.ft or FaultToleranceConfig(),
+        nvrx_straggler=cfg.nvrx_straggler or NVRxStragglerDetectionConfig(),
+        straggler=cfg.straggler or StragglerDetectionConfig(),
+        inprocess_restart=cfg.inprocess_restart or InProcessRestartConfig(),
+    )

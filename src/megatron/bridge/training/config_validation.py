@@ -9,6 +9,7 @@ the log knows which dotted override to change and how.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -20,10 +21,10 @@ from megatron.bridge.training import fault_injection
 from megatron.bridge.training.checkpoint.validation import validate_checkpoint
 
 if TYPE_CHECKING:
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (
         ConfigContainer,
         FaultToleranceConfig,
-        ModelConfig,
         OptimizerConfig,
         SchedulerConfig,
         TrainConfig,
@@ -62,12 +63,12 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     _validate_fault_injection(cfg, world_size)
 
 
-def data_parallel_size(model: ModelConfig, world_size: int) -> int:
+def data_parallel_size(model: GPTModelProvider, world_size: int) -> int:
     """Number of data-parallel replicas for a world of ``world_size`` ranks."""
     return world_size // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
 
 
-def _validate_model(m: ModelConfig, world_size: int) -> None:
+def _validate_model(m: GPTModelProvider, world_size: int) -> None:
     tp = m.tensor_model_parallel_size
     if tp < 1:
         _fail("model.tensor_model_parallel_size", f"must be >= 1, got {tp}", "set a positive size")
@@ -79,6 +80,8 @@ def _validate_model(m: ModelConfig, world_size: int) -> None:
             f"{tp} does not divide the world size {world_size}",
             "use a divisor of the number of ranks",
         )
+    if m.vocab_size is None:
+        _fail("model.vocab_size", "is not set", "set model.vocab_size (the tokenizer's vocabulary size)")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
         if getattr(m, name) < 1:
             _fail(f"model.{name}", f"must be >= 1, got {getattr(m, name)}", "set a positive value")
@@ -94,11 +97,11 @@ def _validate_model(m: ModelConfig, world_size: int) -> None:
             f"{m.num_attention_heads} is not divisible by tensor parallel size {tp}",
             "use a multiple of model.tensor_model_parallel_size",
         )
-    if m.vocab_size % tp:
+    if m.padded_vocab_size % tp:
         _fail(
             "model.vocab_size",
             f"{m.vocab_size} is not divisible by tensor parallel size {tp}",
-            "pad the vocabulary to a multiple of model.tensor_model_parallel_size",
+            "pad the vocabulary to a multiple of model.tensor_model_parallel_size (model.should_pad_vocab=True)",
         )
     if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
         _fail("model.ffn_hidden_size", f"must be >= 1 or None, got {m.ffn_hidden_size}", "use null for 4 * hidden_size")
@@ -111,11 +114,19 @@ def _validate_model(m: ModelConfig, world_size: int) -> None:
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             _fail(f"model.{name}", f"must be in [0, 1), got {getattr(m, name)}", "use a probability below 1")
-    if m.params_dtype not in ("float32", "bfloat16"):
-        _fail("model.params_dtype", f"unknown dtype {m.params_dtype!r}", 'use "float32" or "bfloat16"')
+    if m.params_dtype not in (torch.float32, torch.bfloat16) or m.fp16:
+        _fail(
+            "model.params_dtype",
+            f"{m.params_dtype} (fp16={m.fp16}) is not supported",
+            "use torch.float32, or torch.bfloat16 with model.bf16=True",
+        )
+    try:
+        copy.copy(m).finalize()  # megatron-core's own checks of the TransformerConfig, on a copy
+    except (ValueError, AssertionError, TypeError, ZeroDivisionError) as err:
+        _fail("model", f"megatron-core rejects the model config: {err}", "fix the field it names")
 
 
-def _validate_train(t: TrainConfig, m: ModelConfig, world_size: int) -> None:
+def _validate_train(t: TrainConfig, m: GPTModelProvider, world_size: int) -> None:
     if t.train_iters < 1:
         _fail("train.train_iters", f"must be >= 1, got {t.train_iters}", "set the number of optimizer steps")
     if t.micro_batch_size < 1:
@@ -197,7 +208,7 @@ def _validate_runtime(cfg: ConfigContainer) -> None:
         _fail("dist.backend", f"unknown backend {backend!r}", 'use "gloo", "nccl" or leave it unset')
     if backend == "nccl" and not torch.cuda.is_available():
         _fail("dist.backend", "nccl needs CUDA, which is not available here", "leave dist.backend unset (gloo)")
-    if cfg.model.params_dtype == "bfloat16" and not torch.cuda.is_available():
+    if (cfg.model.params_dtype == torch.bfloat16 or cfg.model.bf16) and not torch.cuda.is_available():
         _fail(
             "model.params_dtype",
             "bfloat16 needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA tensors)",

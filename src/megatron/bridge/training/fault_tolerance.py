@@ -26,7 +26,7 @@ import random
 from typing import Any, Optional
 
 from megatron.bridge.training import fault_injection
-from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.config import ConfigContainer, FaultToleranceConfig
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import Fault
 from megatron.bridge.utils.fs import atomic_write, atomic_write_json
@@ -48,9 +48,10 @@ class FaultTolerance:
 
     def __init__(self, cfg: ConfigContainer, rank: int, world_size: int) -> None:
         self.cfg = cfg
+        self.ft = cfg.ft or FaultToleranceConfig()  # None: off
         self.rank = rank
         self.world_size = world_size
-        self.enabled = cfg.ft.enable_ft_package
+        self.enabled = self.ft.enable_ft_package
         self._client = None
         self._use_sections = False
         self._monitor_lost = False
@@ -120,7 +121,7 @@ class FaultTolerance:
             return
         if self._use_sections:
             self._send("end_section", "checkpointing")
-        if self.cfg.ft.calc_ft_timeouts and update_timeouts:
+        if self.ft.calc_ft_timeouts and update_timeouts:
             self._update_timeouts()
 
     def on_train_end(self, code: ExitCode) -> None:
@@ -224,7 +225,7 @@ class FaultTolerance:
 
     def _read_state(self) -> Optional[dict]:
         directory = self.cfg.checkpoint.load or self.cfg.checkpoint.save
-        if not (self.cfg.ft.calc_ft_timeouts and directory):
+        if not (self.ft.calc_ft_timeouts and directory):
             return None
         path = os.path.join(directory, STATE_FILE)
         try:
@@ -268,7 +269,7 @@ def setup(config: ConfigContainer, global_state: Any) -> None:
     directory = config.checkpoint.save
     ft_state.ft_state_path = os.path.join(directory, STATE_FILE) if directory else None
     ft_state.is_async_chkpt_enabled = config.checkpoint.async_save
-    ft_state.is_calculating_timeouts = engine.enabled and config.ft.calc_ft_timeouts
+    ft_state.is_calculating_timeouts = engine.enabled and engine.ft.calc_ft_timeouts
     ft_state.is_setup_section_open = engine.enabled
     global_state.rank_monitor_client = engine.client
 

@@ -30,7 +30,7 @@ def build_optimizer(cfg: ConfigContainer, model: torch.nn.Module) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optimizer
-    bf16 = cfg.model.params_dtype == "bfloat16"
+    bf16 = cfg.model.bf16 or cfg.model.params_dtype == torch.bfloat16
     opt_cfg = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.bridge.training import fault_injection, fault_tolerance, job_info
 from megatron.bridge.training.callbacks import Callback, CallbackManager, fire_event, normalize_callbacks
 from megatron.bridge.training.checkpointing import CheckpointManager
-from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig, is_enabled
 from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
@@ -32,6 +32,7 @@ from megatron.bridge.training.initialize import (
 from megatron.bridge.training.inprocess_restart import RestartIteration, maybe_wrap_for_inprocess_restart
 from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
+from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
 from megatron.bridge.training.rerun import RerunController, check_losses
 from megatron.bridge.training.state import GlobalState
@@ -89,7 +90,7 @@ def _pretrain(
     start_time = time.time()
     setup_logging(cfg.logger.log_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.mock import build_data_iterator
-    from megatron.bridge.models.gpt import build_gpt_model
+    from megatron.bridge.models.gpt_provider import build_model
 
     rank = int(os.environ.get("RANK", "0"))
     fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
@@ -105,7 +106,8 @@ def _pretrain(
     goodput = GoodputTracker(_job_id(), attempt, attempt_start, cfg.checkpoint.save, rank)
     hang_watch.open("setup")
     checkpoints = metrics = ctx = None
-    straggler = global_state.nvrx_straggler_manager
+    # Off when cfg.nvrx_straggler is None: a disabled manager keeps the loop free of ``if`` around each use.
+    straggler = global_state.nvrx_straggler_manager or NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig())
     signals = global_state.signal_handler
     handlers = contextlib.ExitStack()
     if cfg.train.exit_signal_handler:  # never trap the scheduler's signal unless asked to
@@ -140,7 +142,7 @@ def _pretrain(
         set_seeds(cfg.rng.seed)
         init_rerun_state(cfg)
         rerun = RerunController(cfg.rerun_state_machine, cfg.checkpoint.save)
-        model = wrap_data_parallel(build_gpt_model(cfg.model, device))
+        model = wrap_data_parallel(build_model(cfg.model, device))
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
         state = global_state.train_state
@@ -256,7 +258,11 @@ def _finish_goodput_unwinding(goodput: GoodputTracker, err: BaseException) -> No
 def _attribution_dir(cfg: ConfigContainer) -> Optional[str]:
     """Where hang attribution writes stacks: ``<checkpoint.save>/attribution`` when a stack dump can happen."""
     after = cfg.health.stack_dump_after
-    watched = cfg.ft.enable_ft_package or cfg.inprocess_restart.enabled or cfg.health.liveness_ping_interval > 0
+    watched = (
+        is_enabled(cfg.ft, "enable_ft_package")
+        or is_enabled(cfg.inprocess_restart)
+        or cfg.health.liveness_ping_interval > 0
+    )
     if cfg.checkpoint.save is None or after == 0 or (after is None and not watched):
         return None
     return os.path.join(cfg.checkpoint.save, "attribution")
@@ -275,7 +281,7 @@ def _stack_dump_delay(
     if cfg.health.stack_dump_after is not None:
         return cfg.health.stack_dump_after or None
     limits = [t / 2 for t in (ft.section_timeout(section),) if t]
-    if cfg.inprocess_restart.enabled and section != "setup":
+    if is_enabled(cfg.inprocess_restart) and section != "setup":
         limits.append(cfg.inprocess_restart.soft_timeout / 2)
     if section == "step" and cfg.health.liveness_ping_interval:
         limits.append(cfg.health.liveness_ping_timeout / 2 + watch.last_duration("step"))

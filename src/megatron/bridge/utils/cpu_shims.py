@@ -163,7 +163,7 @@ def _shim_jit_fuser() -> None:
     jit = "megatron.core.jit"
     if jit in sys.modules:
         sys.modules[jit].disable_jit_fuser()  # too late for what is imported; later imports still skip it
-    else:
+    elif not any(isinstance(hook, _AfterFirstImport) and hook.name == jit for hook in sys.meta_path):
         sys.meta_path.insert(0, _AfterFirstImport(jit, lambda module: module.disable_jit_fuser()))
 
 
@@ -377,6 +377,16 @@ def apply_cpu_shims() -> None:
         logger.debug("cpu_shims: applied %s", name)
     _APPLIED = True
     logger.info("cpu_shims: applied %d CPU shims", len(_SHIMS))
+
+
+def before_megatron_core_import() -> None:
+    """Turn megatron-core's jit fuser off before megatron-core is first imported, on CPU only.
+
+    Modules that import megatron-core at their top (the model providers) call this first, so that a user script
+    importing them before ``pretrain`` applies the shims does not pay for ``torch.compile`` wrappers.
+    """
+    if not _APPLIED and not torch.cuda.is_available():
+        _shim_jit_fuser()
 
 
 def use_persistent_async_worker() -> bool:

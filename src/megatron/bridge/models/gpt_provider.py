@@ -1,0 +1,146 @@
+"""``GPTModelProvider``: a megatron-core ``TransformerConfig`` that also builds the GPT model it describes.
+
+As in Megatron-Bridge, the provider *is* the model's config: every ``TransformerConfig`` field (``num_layers``,
+``hidden_size``, ``tensor_model_parallel_size``, ``bf16``, ...) is a field of it, plus the GPT ones below.
+megatron-core's own checks and derived fields (``ffn_hidden_size`` of ``None`` becomes ``4 * hidden_size``, ...)
+run in :meth:`finalize`, not at construction, so that a recipe's provider can still be changed by dotted
+overrides; ``ConfigContainer.validate()`` finalizes it. :meth:`provide` builds megatron-core's ``GPTModel`` with
+the local (Transformer-Engine-free) layer spec unless ``transformer_layer_spec`` says otherwise.
+"""
+
+import copy
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+
+from megatron.bridge.utils.cpu_shims import before_megatron_core_import
+
+before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fused ops are imported
+
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+
+def local_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
+    """megatron-core's local GPT layer spec (plain PyTorch modules; runs on CPU and GPU)."""
+    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by * tensor_model_parallel_size``."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class GPTModelProvider(TransformerConfig):
+    """A GPT model: megatron-core's ``TransformerConfig`` plus what ``GPTModel`` takes; :meth:`provide` builds it."""
+
+    fp16_lm_cross_entropy: bool = False
+    """Compute the language-model cross entropy in fp16."""
+    parallel_output: bool = True
+    """Keep the logits split over tensor-parallel ranks (the loss is computed on the split logits)."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the input embedding and the output projection."""
+    make_vocab_size_divisible_by: int = 128
+    """With ``should_pad_vocab``: pad the vocabulary to a multiple of this times the tensor-parallel size."""
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Learned absolute position embeddings, or rotary ones."""
+    rotary_base: int = 10000
+    """Rotary embedding base (theta)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that is rotated."""
+    seq_len_interpolation_factor: Optional[float] = None
+    """Rotary position interpolation factor for longer sequences; ``None`` is none."""
+    seq_length: int = 1024
+    """Sequence length of the training samples and the longest position embedded."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size (before padding); ``None`` takes the tokenizer's (``tokenizer.vocab_size``)."""
+    should_pad_vocab: bool = False
+    """Pad ``vocab_size`` to a multiple of ``make_vocab_size_divisible_by * tensor_model_parallel_size``."""
+    transformer_layer_spec: Union[ModuleSpec, Callable[["GPTModelProvider"], ModuleSpec]] = local_layer_spec
+    """The transformer layer's modules, or a function of this provider that returns them (``vp_stage`` too, if it
+    takes it)."""
+
+    def __post_init__(self) -> None:
+        """Nothing yet: megatron-core's checks and derived fields wait for :meth:`finalize` (overrides come first)."""
+
+    def finalize(self) -> None:
+        """Run megatron-core's checks and fill its derived fields; safe to call again after a change."""
+        TransformerConfig.__post_init__(self)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary size the embedding and output layers have."""
+        if self.vocab_size is None:
+            raise ValueError("model.vocab_size is not set: set it, or tokenizer.vocab_size with the NullTokenizer")
+        if not self.should_pad_vocab:
+            return self.vocab_size
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+
+    def provide(
+        self, pre_process: Optional[bool] = None, post_process: Optional[bool] = None, vp_stage: Optional[int] = None
+    ) -> GPTModel:
+        """Build the ``GPTModel`` this provider describes (after ``torch.distributed`` and model parallelism start).
+
+        Args:
+            pre_process: build the embedding; ``None``: when this is the first pipeline stage.
+            post_process: build the output layer; ``None``: when this is the last pipeline stage.
+            vp_stage: the virtual pipeline stage of the chunk to build, if any.
+        """
+        from megatron.core import parallel_state
+
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        return GPTModel(
+            config=self,
+            transformer_layer_spec=self._layer_spec(vp_stage),
+            vocab_size=self.padded_vocab_size,
+            max_sequence_length=self.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
+            parallel_output=self.parallel_output,
+            share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
+            position_embedding_type=self.position_embedding_type,
+            rotary_percent=self.rotary_percent,
+            rotary_base=self.rotary_base,
+            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            vp_stage=vp_stage,
+        )
+
+    def _layer_spec(self, vp_stage: Optional[int]) -> ModuleSpec:
+        spec = self.transformer_layer_spec
+        if isinstance(spec, ModuleSpec):
+            return spec
+        if "vp_stage" in inspect.signature(spec).parameters:
+            return spec(self, vp_stage=vp_stage)
+        return spec(self)
+
+    def for_device(self, device: torch.device) -> "GPTModelProvider":
+        """A finalized copy whose parameters are created on ``device``'s side (on CPU without a GPU)."""
+        provider = copy.copy(self)
+        provider.use_cpu_initialization = self.use_cpu_initialization or device.type == "cpu"
+        provider.finalize()
+        return provider
+
+
+def build_model(provider: GPTModelProvider, device: torch.device) -> torch.nn.Module:
+    """The model of ``provider`` on ``device`` (seed the generators first for a reproducible init).
+
+    With ``bf16`` it is wrapped in megatron-core's ``Float16Module``: bf16 compute, fp32 logits out.
+    """
+    config = provider.for_device(device)
+    model = config.provide().to(device)
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
