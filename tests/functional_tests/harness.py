@@ -45,15 +45,24 @@ def kill_processes_with_marker(marker: str) -> list[int]:
     return processes.kill_tagged(processes.RUN, marker)
 
 
-def torchrun(ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300, nproc: int = 2) -> Run:
+def torchrun(
+    ckpt_dir: Path,
+    *overrides: str,
+    env: dict | None = None,
+    timeout: float = 300,
+    nproc: int = 2,
+    entry: list[str] | None = None,
+) -> Run:
     """Train the tiny GPT on 2 ranks with checkpoints in ``ckpt_dir`` and the given dotted overrides.
+
+    ``entry``: another entry script and its own arguments (the tiny GPT example by default).
 
     Launched through ``megatron.bridge.launch`` (torchrun that passes the training processes' exit code through).
     """
     launcher = [
         sys.executable, "-m", "megatron.bridge.launch", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
     ]  # fmt: skip
-    return launch(launcher, ckpt_dir, *overrides, env=env, timeout=timeout)
+    return launch(launcher, ckpt_dir, *overrides, env=env, timeout=timeout, entry=entry)
 
 
 # Section timeouts for drills on a 2-core machine: steps take ~0.05 s, saves ~2 s, start-up ~15 s.
@@ -80,9 +89,17 @@ def ft_launcher(
     return launch(launcher, ckpt_dir, *overrides, env=env, timeout=timeout)
 
 
-def launch(launcher: list[str], ckpt_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 300) -> Run:
-    """Run ``launcher`` on the tiny GPT entry script with checkpoints in ``ckpt_dir``."""
-    cmd = [*launcher, str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides]
+def launch(
+    launcher: list[str],
+    ckpt_dir: Path,
+    *overrides: str,
+    env: dict | None = None,
+    timeout: float = 300,
+    entry: list[str] | None = None,
+) -> Run:
+    """Run ``launcher`` on the tiny GPT entry script (or ``entry``) with checkpoints in ``ckpt_dir``."""
+    script = entry or [str(ENTRY)]
+    cmd = [*launcher, *script, f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides]
     marker = uuid.uuid4().hex
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, **(env or {})}
     with tempfile.TemporaryFile(mode="w+") as out:

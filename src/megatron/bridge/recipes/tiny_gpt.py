@@ -8,8 +8,10 @@ Train it with any launcher; the module ships in the package, so this works from 
     torchrun --nproc-per-node=2 -m megatron.bridge.recipes.tiny_gpt checkpoint.save=/ckpt checkpoint.load=/ckpt
 """
 
+from megatron.core.optimizer import OptimizerConfig
+
 from megatron.bridge.models import GPTModelProvider
-from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, TrainConfig
+from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, TrainingConfig
 
 
 def tiny_gpt_provider() -> GPTModelProvider:
@@ -26,11 +28,26 @@ def tiny_gpt_provider() -> GPTModelProvider:
     )
 
 
+def tiny_gpt_optimizer() -> OptimizerConfig:
+    """Adam at 1e-3 decaying to 1e-5, weight decay 0.01, betas 0.9/0.95, gradients clipped at norm 1."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=1e-3,
+        min_lr=1e-5,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+    )
+
+
 def tiny_gpt_config() -> ConfigContainer:
     """A config that trains the tiny GPT for 20 iterations; set ``checkpoint.save``/``load`` to checkpoint."""
     return ConfigContainer(
         model=tiny_gpt_provider(),
-        train=TrainConfig(train_iters=20, micro_batch_size=2, global_batch_size=8),
+        optimizer=tiny_gpt_optimizer(),
+        train=TrainingConfig(train_iters=20, micro_batch_size=2, global_batch_size=8),
         checkpoint=CheckpointConfig(most_recent_k=3),
     )
 

@@ -7,12 +7,39 @@ inconsistent combination with a :class:`ValueError` that names the field and the
 """
 
 import dataclasses
+import logging
 import signal
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
-if TYPE_CHECKING:  # the provider is a megatron-core class; importing it here would import megatron-core with config
+if TYPE_CHECKING:  # megatron-core classes: importing them here would import megatron-core with every config read
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
     from megatron.bridge.models.gpt_provider import GPTModelProvider
+
+
+def __getattr__(name: str) -> Any:
+    """megatron-core's ``OptimizerConfig`` and ``DistributedDataParallelConfig``, loaded on first use.
+
+    Megatron-Bridge users import both from this module.
+    """
+    if name == "OptimizerConfig":
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig
+    if name == "DistributedDataParallelConfig":
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        return DistributedDataParallelConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _default_ddp() -> "DistributedDataParallelConfig":
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig()
 
 
 @dataclass
@@ -23,8 +50,8 @@ class RNGConfig:
     """Seed for every generator (python, numpy, torch, and megatron-core's model-parallel RNG tracker)."""
 
 
-@dataclass
-class TrainConfig:
+@dataclass(kw_only=True)
+class TrainingConfig:
     """Training loop length, batch sizes, and the ways a run may stop early."""
 
     train_iters: int = 100
@@ -49,24 +76,24 @@ class TrainConfig:
     grace time (``PreemptionPlugin.preempt_time``, Slurm ``KillWait``); ``None`` waits for the save however long."""
 
 
-@dataclass
-class OptimizerConfig:
-    """Adam optimizer built by megatron-core's ``get_megatron_optimizer``."""
+class TrainConfig(TrainingConfig):
+    """Deprecated name of :class:`TrainingConfig` (Megatron-Bridge's); warns when used."""
 
-    lr: float = 1e-3
-    """Peak learning rate."""
-    min_lr: float = 1e-5
-    """Learning rate at the end of the decay."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.95
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
+    def __init__(self, **kwargs: Any) -> None:
+        warnings.warn("TrainConfig is deprecated: use TrainingConfig", DeprecationWarning, stacklevel=2)
+        super().__init__(**kwargs)
+
+
+@dataclass(kw_only=True)
+class ValidationConfig:
+    """Evaluation on validation data during training."""
+
+    eval_iters: int = 100
+    """Steps (global batches) of each evaluation."""
+    eval_interval: Optional[int] = None
+    """Evaluate every this many training steps; ``None``: never during training."""
+    skip_train: bool = False
+    """Do not train: evaluate the loaded (or freshly initialized) model once and stop."""
 
 
 @dataclass
@@ -133,18 +160,19 @@ class LoggerConfig:
 
     log_interval: int = 1
     """Log loss and timings every this many iterations."""
-    log_level: str = "INFO"
-    """Level of the ``megatron.bridge`` loggers."""
+    logging_level: int = logging.INFO
+    """Level of the ``megatron.bridge`` loggers: ``logging.INFO`` (20), ``logging.DEBUG`` (10), ..."""
     tensorboard_dir: Optional[str] = None
     """Write scalars for TensorBoard here (rank 0 only); ``None`` disables it."""
 
 
-@dataclass
-class DistributedConfig:
+@dataclass(kw_only=True)
+class DistributedInitConfig:
     """torch.distributed setup."""
 
-    backend: Optional[str] = None
-    """``"nccl"`` or ``"gloo"``; ``None`` picks nccl when CUDA is present, else gloo."""
+    distributed_backend: Literal["nccl", "gloo"] = "nccl"
+    """Backend of the process groups. On a machine without CUDA, ``"nccl"`` runs on gloo (a CPU shim that logs
+    it), so a GPU recipe runs unchanged on CPU."""
     distributed_timeout_minutes: int = 10
     """Timeout of collectives (the watchdog timeout with NCCL)."""
 
@@ -333,10 +361,15 @@ class ConfigContainer:
     model: "GPTModelProvider"
     """The model and its parallelism: a ``GPTModelProvider`` (``megatron.bridge.models``), i.e. a megatron-core
     ``TransformerConfig`` that builds the model."""
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainingConfig = field(default_factory=TrainingConfig)
     """Loop length, batch sizes, early exits."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Optimizer."""
+    optimizer: "OptimizerConfig"
+    """The optimizer: megatron-core's ``OptimizerConfig`` (``optimizer``, ``lr``, ``min_lr``, ``weight_decay``,
+    ``adam_*``, ``clip_grad``, ...), built by ``get_megatron_optimizer``."""
+    ddp: "DistributedDataParallelConfig" = field(default_factory=_default_ddp)
+    """Data-parallel gradient reduction: megatron-core's ``DistributedDataParallelConfig``."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Evaluation on validation data."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Learning-rate schedule."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -345,7 +378,7 @@ class ConfigContainer:
     """Checkpoint save and load."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """Logging."""
-    dist: DistributedConfig = field(default_factory=DistributedConfig)
+    dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
     """torch.distributed."""
     rng: RNGConfig = field(default_factory=RNGConfig)
     """Seeds."""

@@ -25,9 +25,7 @@ if TYPE_CHECKING:
     from megatron.bridge.training.config import (
         ConfigContainer,
         FaultToleranceConfig,
-        OptimizerConfig,
-        SchedulerConfig,
-        TrainConfig,
+        TrainingConfig,
     )
 
 logger = logging.getLogger(__name__)
@@ -52,7 +50,8 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
         training_ranks = cfg.inprocess_restart.active_world_size
     _validate_model(cfg.model, training_ranks)
     _validate_train(cfg.train, cfg.model, training_ranks)
-    _validate_optimizer(cfg.optimizer, cfg.scheduler, cfg.train)
+    _validate_optimizer(cfg)
+    _validate_validation(cfg)
     validate_checkpoint(cfg.checkpoint, world_size)
     _validate_runtime(cfg)
     _validate_fault_tolerance(cfg.ft, world_size)
@@ -120,13 +119,19 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
             f"{m.params_dtype} (fp16={m.fp16}) is not supported",
             "use torch.float32, or torch.bfloat16 with model.bf16=True",
         )
+    if (m.params_dtype == torch.bfloat16 or m.bf16) and not torch.cuda.is_available():
+        _fail(
+            "model.params_dtype",
+            "bfloat16 needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA tensors)",
+            'use "float32" on a machine without a GPU',
+        )
     try:
         copy.copy(m).finalize()  # megatron-core's own checks of the TransformerConfig, on a copy
     except (ValueError, AssertionError, TypeError, ZeroDivisionError) as err:
         _fail("model", f"megatron-core rejects the model config: {err}", "fix the field it names")
 
 
-def _validate_train(t: TrainConfig, m: GPTModelProvider, world_size: int) -> None:
+def _validate_train(t: TrainingConfig, m: GPTModelProvider, world_size: int) -> None:
     if t.train_iters < 1:
         _fail("train.train_iters", f"must be >= 1, got {t.train_iters}", "set the number of optimizer steps")
     if t.micro_batch_size < 1:
@@ -173,11 +178,34 @@ def _validate_train(t: TrainConfig, m: GPTModelProvider, world_size: int) -> Non
         )
 
 
-def _validate_optimizer(o: OptimizerConfig, s: SchedulerConfig, t: TrainConfig) -> None:
-    if o.lr <= 0:
+def _validate_optimizer(cfg: ConfigContainer) -> None:
+    o, s, t, m = cfg.optimizer, cfg.scheduler, cfg.train, cfg.model
+    if o.optimizer not in ("adam", "sgd"):
+        _fail("optimizer.optimizer", f"unknown optimizer {o.optimizer!r}", 'use "adam" or "sgd"')
+    if o.lr is None or o.lr <= 0:
         _fail("optimizer.lr", f"must be > 0, got {o.lr}", "set a positive learning rate")
-    if not 0 <= o.min_lr <= o.lr:
+    min_lr = o.min_lr if o.min_lr is not None else 0.0
+    if not 0 <= min_lr <= o.lr:
         _fail("optimizer.min_lr", f"must be in [0, lr={o.lr}], got {o.min_lr}", "lower optimizer.min_lr")
+    model_bf16 = m.bf16 or m.params_dtype == torch.bfloat16
+    if (o.bf16, o.fp16) != (model_bf16, m.fp16) or o.params_dtype != m.params_dtype:
+        _fail(
+            "optimizer.bf16",
+            f"the optimizer's precision (bf16={o.bf16}, fp16={o.fp16}, params_dtype={o.params_dtype}) differs from the "
+            f"model's (bf16={m.bf16}, fp16={m.fp16}, params_dtype={m.params_dtype})",
+            "set optimizer.bf16, optimizer.fp16 and optimizer.params_dtype as the model has them",
+        )
+    for section, value in (("optimizer", o.use_distributed_optimizer), ("ddp", cfg.ddp.use_distributed_optimizer)):
+        if value:
+            _fail(
+                f"{section}.use_distributed_optimizer",
+                "the distributed optimizer is not supported by this package yet",
+                f"set {section}.use_distributed_optimizer=False",
+            )
+    try:
+        copy.deepcopy(o).__post_init__()  # megatron-core's own checks, on a copy
+    except (ValueError, AssertionError, RuntimeError) as err:
+        _fail("optimizer", f"megatron-core rejects the optimizer config: {err}", "fix the field it names")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(o, name) < 1.0:
             _fail(f"optimizer.{name}", f"must be in [0, 1), got {getattr(o, name)}", "use e.g. 0.9 / 0.95")
@@ -202,18 +230,20 @@ def _validate_optimizer(o: OptimizerConfig, s: SchedulerConfig, t: TrainConfig) 
         )
 
 
-def _validate_runtime(cfg: ConfigContainer) -> None:
-    backend = cfg.dist.backend
-    if backend not in (None, "gloo", "nccl"):
-        _fail("dist.backend", f"unknown backend {backend!r}", 'use "gloo", "nccl" or leave it unset')
-    if backend == "nccl" and not torch.cuda.is_available():
-        _fail("dist.backend", "nccl needs CUDA, which is not available here", "leave dist.backend unset (gloo)")
-    if (cfg.model.params_dtype == torch.bfloat16 or cfg.model.bf16) and not torch.cuda.is_available():
+def _validate_validation(cfg: ConfigContainer) -> None:
+    v = cfg.validation
+    if v.eval_iters < 1 and (v.eval_interval is not None or v.skip_train):
         _fail(
-            "model.params_dtype",
-            "bfloat16 needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA tensors)",
-            'use "float32" on a machine without a GPU',
+            "validation.eval_iters", f"must be >= 1 to evaluate, got {v.eval_iters}", "set a positive number of steps"
         )
+    if v.eval_interval is not None and v.eval_interval < 1:
+        _fail("validation.eval_interval", f"must be >= 1 or None, got {v.eval_interval}", "use null to never evaluate")
+
+
+def _validate_runtime(cfg: ConfigContainer) -> None:
+    backend = cfg.dist.distributed_backend
+    if backend not in ("gloo", "nccl"):
+        _fail("dist.distributed_backend", f"unknown backend {backend!r}", 'use "nccl" (GPUs) or "gloo"')
     if cfg.dist.distributed_timeout_minutes < 1:
         _fail(
             "dist.distributed_timeout_minutes",
@@ -222,8 +252,12 @@ def _validate_runtime(cfg: ConfigContainer) -> None:
         )
     if cfg.rng.seed < 0 or cfg.rng.seed >= 2**32:
         _fail("rng.seed", f"must be in [0, 2**32), got {cfg.rng.seed}", "use a non-negative 32-bit seed")
-    if cfg.logger.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        _fail("logger.log_level", f"unknown level {cfg.logger.log_level!r}", "use DEBUG, INFO, WARNING or ERROR")
+    if cfg.logger.logging_level not in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL):
+        _fail(
+            "logger.logging_level",
+            f"unknown level {cfg.logger.logging_level!r}",
+            "use 10 (DEBUG), 20 (INFO), 30 (WARNING), 40 (ERROR) or 50 (CRITICAL)",
+        )
     if cfg.logger.log_interval < 1:
         _fail("logger.log_interval", f"must be >= 1, got {cfg.logger.log_interval}", "use a positive interval")
     if cfg.dataset.num_workers < 0:

@@ -16,7 +16,7 @@ from megatron.bridge.utils import upstream
 logger = logging.getLogger(__name__)
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: int) -> None:
     """Log ``megatron.bridge`` records with the rank in every line; quiet noisy upstream loggers."""
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
@@ -24,7 +24,7 @@ def setup_logging(level: str) -> None:
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
-    logging.getLogger("megatron.bridge").setLevel(level.upper())
+    logging.getLogger("megatron.bridge").setLevel(level)
 
 
 def select_device() -> torch.device:
@@ -57,8 +57,8 @@ def bind_cpu_cores(local_rank: int, local_world_size: int) -> list[int]:
 def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = None) -> torch.device:
     """Initialise torch.distributed and megatron-core's model-parallel groups; return this rank's device.
 
-    The backend comes from the device actually present (nccl with CUDA, gloo without) unless ``dist.backend``
-    names one. On a machine without CUDA the CPU shims for upstream code are applied first.
+    The backend is ``dist.distributed_backend``; without CUDA it is gloo whatever it says (a CPU shim). On a
+    machine without CUDA the CPU shims for upstream code are applied first.
 
     Args:
         cfg: the run's configuration.
@@ -70,7 +70,11 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
         from megatron.bridge.utils.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
-    backend = cfg.dist.backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = cfg.dist.distributed_backend
+    if device.type == "cpu":
+        from megatron.bridge.utils.cpu_shims import process_group_backend
+
+        backend = process_group_backend(backend)
     timeout = datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if not dist.is_initialized() and store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

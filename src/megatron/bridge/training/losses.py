@@ -1,6 +1,10 @@
-"""The language-model loss of one micro-batch, in the form megatron-core's schedule and Megatron-Bridge expect."""
+"""Losses: one micro-batch's language-model loss, and a step's reported losses averaged over micro-batches and ranks.
+
+``masked_next_token_loss`` has the form megatron-core's schedule and Megatron-Bridge expect.
+"""
 
 import torch
+import torch.distributed as dist
 
 
 def masked_next_token_loss(
@@ -28,3 +32,27 @@ def masked_next_token_loss(
     num_tokens = mask.sum().to(torch.int)
     reported = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
     return loss_sum, num_tokens, {"lm loss": reported}
+
+
+def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each reported loss averaged over the step's micro-batches and data-parallel ranks.
+
+    A loss function reports either one value per micro-batch (averaged over micro-batches), or ``[sum, count]``
+    (``losses.masked_next_token_loss``; averaged over every counted token of the step).
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    reduced = {}
+    for name in losses[0]:
+        values = torch.stack([x[name].detach().float().reshape(-1) for x in losses])
+        if values.shape[1] == 2:
+            total = values.sum(dim=0)
+            dist.all_reduce(total, group=group)
+            reduced[name] = total[0] / total[1].clamp(min=1)
+        else:
+            mean = values.mean(dim=0)
+            dist.all_reduce(mean, group=group)
+            reduced[name] = mean[0] / dp_size
+    return reduced

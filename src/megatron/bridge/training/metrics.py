@@ -28,7 +28,7 @@ class MetricsWriter:
             iteration,
             train_iters,
             consumed,
-            metrics["lm loss"],
+            metrics.get("lm loss", float("nan")),  # a forward step may report its loss under another name
             metrics["grad norm"],
             metrics["lr"],
             metrics["step time"],

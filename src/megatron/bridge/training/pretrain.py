@@ -16,6 +16,7 @@ from megatron.bridge.training.callbacks import Callback, CallbackManager, fire_e
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig, is_enabled
 from megatron.bridge.training.device_health import check_device_health
+from megatron.bridge.training.eval import evaluate
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
@@ -71,7 +72,7 @@ def pretrain(
             restart gave up).
     """
     config.validate()
-    setup_logging(config.logger.log_level)
+    setup_logging(config.logger.logging_level)
     state = GlobalState()
     state.cfg = config
     manager = normalize_callbacks(callbacks)
@@ -88,7 +89,7 @@ def _pretrain(
     """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down."""
     cfg = global_state.cfg
     start_time = time.time()
-    setup_logging(cfg.logger.log_level)  # the rank may change between in-process restart iterations
+    setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.mock import build_data_iterator
     from megatron.bridge.models.gpt_provider import build_model
 
@@ -142,7 +143,7 @@ def _pretrain(
         set_seeds(cfg.rng.seed)
         init_rerun_state(cfg)
         rerun = RerunController(cfg.rerun_state_machine, cfg.checkpoint.save)
-        model = wrap_data_parallel(build_model(cfg.model, device))
+        model = wrap_data_parallel(build_model(cfg.model, device), cfg.ddp)
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
         state = global_state.train_state
@@ -169,11 +170,11 @@ def _pretrain(
 
         from megatron.core import parallel_state
 
-        data_iterator = build_data_iterator(
+        data_seed = cfg.dataset.seed if cfg.dataset.seed is not None else cfg.rng.seed
+        stream = functools.partial(
+            build_data_iterator,
             vocab_size=cfg.model.vocab_size,
             seq_length=cfg.model.seq_length,
-            seed=cfg.dataset.seed if cfg.dataset.seed is not None else cfg.rng.seed,
-            consumed_samples=state.consumed_train_samples,
             micro_batch_size=cfg.train.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
@@ -184,6 +185,14 @@ def _pretrain(
                 else None
             ),
         )
+        data_iterator = stream(seed=data_seed, consumed_samples=state.consumed_train_samples)
+        evaluating = cfg.validation.eval_interval is not None or cfg.validation.skip_train
+        state.do_valid = evaluating
+        # Validation data: a stream of its own (the next seed), positioned by the validation samples consumed.
+        valid_iterator = (
+            stream(seed=data_seed + 1, consumed_samples=state.consumed_valid_samples) if evaluating else None
+        )
+        eval_forward_step = prepare_forward_step_func(forward_step_func, global_state)  # training wraps it more
         registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
         fault_tolerance.maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed)
         faults = StepFaults(dist.get_rank(), registry)
@@ -195,9 +204,7 @@ def _pretrain(
             state=state,
             data_iterator=rerun.wrap_data_iterator(data_iterator),
             # Every loss is checked where the loss function computes it; straggler detection times the forward.
-            forward_step_func=straggler.wrap_forward_step(
-                check_losses(faults.wrap_forward_step(prepare_forward_step_func(forward_step_func, global_state)))
-            ),
+            forward_step_func=straggler.wrap_forward_step(check_losses(faults.wrap_forward_step(eval_forward_step))),
             checkpoints=checkpoints,
             metrics=metrics,
             faults=faults,
@@ -210,10 +217,16 @@ def _pretrain(
             start_time=start_time,
             global_state=global_state,
             callbacks=callbacks,
+            valid_data_iterator=valid_iterator,
+            eval_forward_step_func=eval_forward_step,
             **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default
         )
         hang_watch.close()  # fault tolerance's ``setup`` section ends with the first step's start
-        code, reason = train(ctx)
+        if cfg.validation.skip_train:
+            evaluate(global_state, model, eval_forward_step, valid_iterator, callbacks)
+            code, reason = ExitCode.FINISHED, "validation.skip_train: evaluated without training"
+        else:
+            code, reason = train(ctx)
         # The wait for the last async save runs outside any ft section: the launcher's out-of-section timeout bounds
         # it. A learned ``checkpointing`` timeout measures only the blocking part of saves (for async saves, their
         # scheduling), which a healthy background write outlasts: under load it killed finished runs right here.
@@ -309,7 +322,10 @@ class _Teardown:
 
 
 def main(
-    build_config: Callable[[], ConfigContainer], forward_step_func: Callable, argv: Optional[list[str]] = None
+    build_config: Callable[[], ConfigContainer],
+    forward_step_func: Callable,
+    argv: Optional[list[str]] = None,
+    callbacks: Union[None, CallbackManager, Iterable[Callback]] = None,
 ) -> None:
     """Command-line entry: apply dotted overrides to ``build_config()``, pretrain, exit with the exit code.
 
@@ -324,7 +340,7 @@ def main(
         logger.error("configuration error: %s", err)
         sys.exit(int(ExitCode.CONFIG_ERROR))
     try:
-        code = pretrain(cfg, forward_step_func)
+        code = pretrain(cfg, forward_step_func, callbacks)
     except TrainingExit as stop:
         logger.error("training stopped: %s", stop)
         code = stop.exit_code

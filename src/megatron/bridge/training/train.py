@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training import eval as evaluation
 from megatron.bridge.training import fault_tolerance
 from megatron.bridge.training.callbacks import CallbackManager, fire_event, should_fire
 from megatron.bridge.training.checkpointing import CheckpointManager
@@ -41,6 +42,7 @@ from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.goodput import GoodputTracker
 from megatron.bridge.training.hang_attribution import HangWatch
 from megatron.bridge.training.liveness import LivenessPing
+from megatron.bridge.training.losses import reduce_losses
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import (
     NVRxStragglerDetectionManager,
@@ -83,12 +85,16 @@ class TrainContext:
     stops calling it hung after ``inprocess_restart.soft_timeout``."""
     deadline: Optional[StopDeadline] = None
     """Running while a preempted run saves and exits."""
+    valid_data_iterator: Optional[Iterator] = None
+    """Validation micro-batches, when ``validation.eval_interval`` is set."""
+    eval_forward_step_func: Optional[Callable] = None
+    """The user's forward step as evaluation calls it (no loss checks, no fault injection, no straggler timing)."""
 
 
 def train_step(ctx: TrainContext, with_losses: bool) -> tuple[dict[str, float], dict[str, torch.Tensor], StepVerdict]:
     """Run one step over a global batch; return its metrics, its losses (when ``with_losses``) and the verdict.
 
-    The losses are each reported loss averaged over the step (:func:`reduce_losses`); the metrics carry them as
+    The losses are each reported loss averaged over the step (``losses.reduce_losses``); the metrics carry them as
     floats.
 
     The optimizer steps only when the verdict says so (not for a skipped NaN step or a re-run stop).
@@ -130,30 +136,6 @@ def train_step(ctx: TrainContext, with_losses: bool) -> tuple[dict[str, float], 
     loss_dict = reduce_losses(losses) if with_losses and verdict.stop is None and losses else {}
     metrics.update({name: value.item() for name, value in loss_dict.items()})
     return metrics, loss_dict, verdict
-
-
-def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each reported loss averaged over the step's micro-batches and data-parallel ranks.
-
-    A loss function reports either one value per micro-batch (averaged over micro-batches), or ``[sum, count]``
-    (``losses.masked_next_token_loss``; averaged over every counted token of the step).
-    """
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    reduced = {}
-    for name in losses[0]:
-        values = torch.stack([x[name].detach().float().reshape(-1) for x in losses])
-        if values.shape[1] == 2:
-            total = values.sum(dim=0)
-            dist.all_reduce(total, group=group)
-            reduced[name] = total[0] / total[1].clamp(min=1)
-        else:
-            mean = values.mean(dim=0)
-            dist.all_reduce(mean, group=group)
-            reduced[name] = mean[0] / dp_size
-    return reduced
 
 
 def _fire(ctx: TrainContext, event: str, **fields: Any) -> None:
@@ -301,6 +283,12 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         fault_tolerance.on_training_step_end(ctx.global_state)
         ctx.hang_watch.close()
         ctx.report_progress()
+        if ctx.valid_data_iterator is not None and evaluation.is_due(ctx.global_state):
+            totals = evaluation.evaluate(
+                ctx.global_state, ctx.model, ctx.eval_forward_step_func, ctx.valid_data_iterator, ctx.callbacks
+            )
+            ctx.metrics.log_scalars({f"validation/{k.replace(' ', '_')}": v for k, v in totals.items()}, ctx.state.step)
+            ctx.report_progress()
         save = _due_save(ctx, stopping=stop is not None)
         if save is not None:
             _save(ctx, save)

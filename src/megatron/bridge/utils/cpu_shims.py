@@ -389,6 +389,14 @@ def before_megatron_core_import() -> None:
         _shim_jit_fuser()
 
 
+def process_group_backend(requested: str) -> str:
+    """The backend to use on this machine: gloo without CUDA, whatever was asked (nccl needs GPUs)."""
+    if requested == "nccl" and not torch.cuda.is_available():
+        logger.info("cpu_shims: dist.distributed_backend=nccl needs CUDA; using gloo on this CPU-only machine")
+        return "gloo"
+    return requested
+
+
 def use_persistent_async_worker() -> bool:
     """Whether async checkpoint saves may use megatron-core's persistent (spawned) worker.
 
