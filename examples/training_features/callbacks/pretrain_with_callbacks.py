@@ -12,7 +12,6 @@ import argparse
 import json
 
 import torch.distributed as dist
-from megatron.core.optimizer import OptimizerConfig
 
 from megatron.bridge.models import GPTModelProvider
 from megatron.bridge.training.callbacks import Callback, CallbackContext
@@ -21,6 +20,7 @@ from megatron.bridge.training.config import (
     ConfigContainer,
     DistributedInitConfig,
     LoggerConfig,
+    OptimizerConfig,
     RNGConfig,
     SchedulerConfig,
     TrainingConfig,
