@@ -19,8 +19,9 @@ def get_batch(data_iterator: Any, device: torch.device) -> dict[str, torch.Tenso
     mask = batch.get("attention_mask")
     if mask is None:  # mock and indexed GPT data carry none: every sequence is one causal document
         seq = out["tokens"].shape[1]
-        mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
-    out["attention_mask"] = mask.to(device, non_blocking=True)
+        out["attention_mask"] = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
+    else:
+        out["attention_mask"] = mask.to(device, non_blocking=True)
     return out
 
 

@@ -197,11 +197,10 @@ def _pretrain(
         fault_tolerance.maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed)
         faults = StepFaults(dist.get_rank(), registry)
         ctx = TrainContext(
-            cfg=cfg,
+            global_state=global_state,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            state=state,
             data_iterator=rerun.wrap_data_iterator(data_iterator),
             # Every loss is checked where the loss function computes it; straggler detection times the forward.
             forward_step_func=straggler.wrap_forward_step(check_losses(faults.wrap_forward_step(eval_forward_step))),
@@ -215,7 +214,6 @@ def _pretrain(
             liveness=liveness,
             goodput=goodput,
             start_time=start_time,
-            global_state=global_state,
             callbacks=callbacks,
             valid_data_iterator=valid_iterator,
             eval_forward_step_func=eval_forward_step,

@@ -69,7 +69,8 @@ class FaultToleranceState:
     seen_tr_iters_cnt: int = 0
     """Training steps seen in this run."""
     curr_eval_iter_idx: int = 0
-    """Evaluation steps seen in the current evaluation."""
+    """Megatron-Bridge's count of evaluation steps in ft sections; stays 0 here: evaluation runs outside any ft
+    section (the launcher's out-of-section timeout bounds it)."""
 
 
 class GlobalState:

@@ -59,11 +59,11 @@ logger = logging.getLogger(__name__)
 class TrainContext:
     """Everything the loop works on."""
 
-    cfg: ConfigContainer
+    global_state: GlobalState
+    """The run's config and progress (``cfg`` and ``state`` below); what callbacks and a forward step see."""
     model: torch.nn.Module
     optimizer: Any
     scheduler: Any
-    state: TrainState
     data_iterator: Iterator
     forward_step_func: Callable
     checkpoints: CheckpointManager
@@ -76,8 +76,6 @@ class TrainContext:
     liveness: LivenessPing
     goodput: GoodputTracker
     start_time: float
-    global_state: GlobalState
-    """What callbacks and a forward step taking ``state`` see; ``global_state.train_state`` is ``state``."""
     callbacks: Optional[CallbackManager] = None
     """User callbacks (``pretrain(..., callbacks=...)``)."""
     report_progress: Callable[[], None] = lambda: None
@@ -89,6 +87,16 @@ class TrainContext:
     """Validation micro-batches, when ``validation.eval_interval`` is set."""
     eval_forward_step_func: Optional[Callable] = None
     """The user's forward step as evaluation calls it (no loss checks, no fault injection, no straggler timing)."""
+
+    @property
+    def cfg(self) -> ConfigContainer:
+        """The run's configuration."""
+        return self.global_state.cfg
+
+    @property
+    def state(self) -> TrainState:
+        """Training progress (``global_state.train_state``)."""
+        return self.global_state.train_state
 
 
 def train_step(ctx: TrainContext, with_losses: bool) -> tuple[dict[str, float], dict[str, torch.Tensor], StepVerdict]:
