@@ -77,6 +77,11 @@ def _measure(log: str, monitor_pattern: str | None) -> dict:
     return result
 
 
+KEEP_SCHEDULE = "scheduler.use_checkpoint_opt_param_scheduler=True"
+"""A run resumed with another ``train.train_iters`` keeps the checkpoint's learning-rate schedule (megatron-core refuses
+a different one by default, as Megatron-Bridge does)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap", type=float, default=60.0, help="give up on the baseline after this many seconds")
@@ -84,13 +89,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         _run(_ft_cmd(ckpt, free_port(), "train.train_iters=20"), None, 300)  # learns the timeouts into ft_state.json
-        ft_log, _ = _run(_ft_cmd(ckpt, free_port(), "train.train_iters=60"), "hang@30:1", 300)
+        longer = ("train.train_iters=60", KEEP_SCHEDULE)  # continues the first run's checkpoint: keep its schedule
+        ft_log, _ = _run(_ft_cmd(ckpt, free_port(), *longer), "hang@30:1", 300)
         ft = _measure(ft_log, r".*Section 'step' has been open")
         base_ckpt = Path(tmp) / "base"
         shutil.copytree(ckpt, base_ckpt, dirs_exist_ok=True)
         base_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                     "--max-restarts=1", ENTRY, f"checkpoint.save={base_ckpt}", f"checkpoint.load={base_ckpt}",
-                    "checkpoint.save_interval=5", "train.train_iters=100"]  # fmt: skip
+                    "checkpoint.save_interval=5", "train.train_iters=100", KEEP_SCHEDULE]  # fmt: skip
         base_log, finished = _run(base_cmd, "hang@70:1", args.cap + 30)
         base = _measure(base_log, r".*(?:failed|restart)")
     step = ft["median_step"]

@@ -23,6 +23,10 @@ _LOSS_RE = re.compile(r"\[rank0\].* iteration (\d+)/\d+ \| consumed samples \d+ 
 # 12 iterations, a checkpoint every 3: small enough for CI, long enough to interrupt and resume.
 BASE = ["train.train_iters=12", "checkpoint.save_interval=3", "checkpoint.most_recent_k=-1"]
 
+# A resumed run with another train.train_iters has another learning-rate schedule, which megatron-core refuses to
+# load over the checkpoint's (as in Megatron-Bridge) unless told which one wins: keep the checkpoint's.
+KEEP_SCHEDULE = "scheduler.use_checkpoint_opt_param_scheduler=True"
+
 
 @dataclass
 class Run:

@@ -4,8 +4,8 @@
         --record /tmp/progress.jsonl checkpoint.save=/tmp/ckpt checkpoint.load=/tmp/ckpt
 
 Every other argument is a dotted override (``train.train_iters=12``). Rank 0 appends one JSON line per event to
-``--record``: where the run resumed (step, consumed samples, checkpoint), every finished step with its loss, every
-evaluation, and the end of training.
+``--record``: the checkpoint the run resumed from, where training starts (step, consumed samples), every finished
+step with its loss, every committed checkpoint, every evaluation, and the end of training.
 """
 
 import argparse
@@ -14,15 +14,17 @@ import json
 import torch.distributed as dist
 
 from megatron.bridge.models import GPTModelProvider
-from megatron.bridge.training.callbacks import Callback, CallbackContext
+from megatron.bridge.training.callbacks import Callback, CallbackContext, CheckpointCallbackContext
 from megatron.bridge.training.config import (
     CheckpointConfig,
     ConfigContainer,
     DistributedInitConfig,
     LoggerConfig,
+    MockGPTDatasetConfig,
     OptimizerConfig,
     RNGConfig,
     SchedulerConfig,
+    TokenizerConfig,
     TrainingConfig,
 )
 from megatron.bridge.training.gpt_step import forward_step
@@ -47,6 +49,15 @@ def config() -> ConfigContainer:
             optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0
         ),
         scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2),
+        dataset=MockGPTDatasetConfig(
+            seq_length=32,
+            random_seed=1234,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            num_workers=0,
+        ),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
         logger=LoggerConfig(log_interval=1),
         checkpoint=CheckpointConfig(most_recent_k=3),
         rng=RNGConfig(seed=1234),
@@ -65,12 +76,17 @@ class ProgressRecorder(Callback):
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def on_checkpoint_load_end(self, context: CallbackContext) -> None:
+    def on_checkpoint_load(self, context: CheckpointCallbackContext) -> None:
+        self._write({"event": "loaded", "checkpoint": context.checkpoint_name, "tier": context.checkpoint_type.value})
+
+    def on_checkpoint_save(self, context: CheckpointCallbackContext) -> None:
+        step = context.state.train_state.step
+        self._write({"event": "saved", "step": step, "checkpoint": context.checkpoint_name,
+                     "tier": context.checkpoint_type.value})  # fmt: skip
+
+    def on_train_start(self, context: CallbackContext) -> None:
         progress = context.state.train_state
-        self._write(
-            {"event": "resumed", "step": progress.step, "consumed": progress.consumed_train_samples,
-             "checkpoint": context.checkpoint_dir}
-        )  # fmt: skip
+        self._write({"event": "start", "step": progress.step, "consumed": progress.consumed_train_samples})
 
     def on_train_step_end(self, context: CallbackContext) -> None:
         progress = context.state.train_state  # counts the step after this event

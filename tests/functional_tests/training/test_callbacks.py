@@ -1,7 +1,8 @@
 """A config written the Megatron-Bridge way, a user callback, local and global checkpoints, evaluation, stop and
 resume.
 
-The user's callback (``examples/training_features/callbacks/``) sees where the run resumed and every step; the
+The user's callback (``examples/training_features/callbacks/``) sees the checkpoint the run resumed from, where
+training starts, every step and every committed checkpoint of both tiers; the
 resumed run ends bit-identical to the uninterrupted tiny-GPT reference (same model, optimizer, data and seed).
 """
 
@@ -31,13 +32,20 @@ def test_user_callback_sees_the_resume_and_the_run_matches_the_reference(referen
     assert "saved local checkpoint at iteration 4" in first.output, tail(first)  # both tiers were written
 
     first_events, second_events = _records(first_log), _records(second_log)
-    assert first_events[0] == {"event": "resumed", "step": 0, "consumed": 0, "checkpoint": None}
+    assert first_events[0] == {"event": "start", "step": 0, "consumed": 0}  # from scratch: nothing was loaded
+    assert not [e for e in first_events if e["event"] == "loaded"]
     assert [e["step"] for e in first_events if e["event"] == "step"] == list(range(1, 8))
     assert not [e for e in first_events if e["event"] == "end"]  # an early exit is not the end of training
+    saved = [(e["step"], e["tier"]) for e in first_events if e["event"] == "saved"]
+    assert saved == [(2, "local"), (3, "global"), (4, "local"), (6, "global"), (7, "global")], saved
+    assert all(e["checkpoint"].endswith(f"iter_{e['step']:07d}") for e in first_events if e.get("tier") == "global")
 
-    resumed = second_events[0]
-    assert resumed["event"] == "resumed" and (resumed["step"], resumed["consumed"]) == (7, 56), resumed
-    assert resumed["checkpoint"] is not None and resumed["checkpoint"].endswith("iter_0000007"), resumed
+    loaded, start = second_events[:2]
+    assert loaded["event"] == "loaded" and loaded["tier"] == "global", loaded
+    assert loaded["checkpoint"].endswith("iter_0000007"), loaded
+    assert start == {"event": "start", "step": 7, "consumed": 56}, start
+    saved = [(e["step"], e["tier"]) for e in second_events if e["event"] == "saved"]
+    assert saved == [(8, "local"), (9, "global"), (10, "local"), (12, "global")], saved
     steps = [e for e in second_events if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(8, 13)) and not any(e["skipped"] for e in steps)
     assert second_events[-1] == {"event": "end", "step": 12, "consumed": 96}

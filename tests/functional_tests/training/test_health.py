@@ -3,7 +3,7 @@
 import json
 import re
 
-from tests.functional_tests.harness import ft_launcher, log_time, tail, torchrun, without_launcher
+from tests.functional_tests.harness import KEEP_SCHEDULE, ft_launcher, log_time, tail, torchrun, without_launcher
 
 PING = ["health.liveness_ping_interval=1", "health.liveness_ping_timeout=4"]
 
@@ -67,7 +67,7 @@ def test_hang_attribution_names_the_stuck_function_after_an_ft_restart(tmp_path)
 
 def test_job_info_says_how_the_run_started_and_what_it_resumed_from(interrupted_copy):
     # checkpoint.load is set by the harness; a second start resumes the interrupted run's checkpoint of 6.
-    run = torchrun(interrupted_copy, "train.train_iters=7")
+    run = torchrun(interrupted_copy, "train.train_iters=7", KEEP_SCHEDULE)
     assert run.exit_code == 0, tail(run)
     block = run.output[run.output.index("job info:") :].splitlines()[1:7]
     assert block[0].strip().startswith("launcher: torchrun on "), block
@@ -81,7 +81,7 @@ def test_job_info_says_how_the_run_started_and_what_it_resumed_from(interrupted_
 
 
 def test_without_load_the_run_resumes_its_own_saves(interrupted_copy):
-    run = torchrun(interrupted_copy, "checkpoint.load=null", "train.train_iters=7")  # overrides the harness's load
+    run = torchrun(interrupted_copy, "checkpoint.load=null", "train.train_iters=7", KEEP_SCHEDULE)  # no harness load
     assert run.exit_code == 0, tail(run)
     assert f"resume from: {interrupted_copy} (checkpoint.load is unset;" in run.output, tail(run)
     assert re.search(r"successfully loaded verified checkpoint \S+iter_0000006 at iteration 6", run.output)

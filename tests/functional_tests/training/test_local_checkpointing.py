@@ -20,6 +20,7 @@ import pytest
 from tests.functional_tests.harness import (
     BASE,
     ENTRY,
+    KEEP_SCHEDULE,
     REPO,
     Run,
     assert_same_state,
@@ -274,7 +275,7 @@ def test_atomic_algorithm_saves_and_loads_and_an_older_local_checkpoint_yields_t
     assert resumed.losses() == {i: reference.losses()[i] for i in range(9, 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
     # The local tier now holds 10 (at 12 the global save was due, and a local save never replaces it): older.
-    again = torchrun(ckpt, *tier, "train.train_iters=13")
+    again = torchrun(ckpt, *tier, "train.train_iters=13", KEEP_SCHEDULE)
     assert again.exit_code == 0, tail(again)
     assert "local checkpoint at iteration 10 is not newer than the global one at 12" in again.output, tail(again)
     assert re.search(r"successfully loaded verified checkpoint \S+iter_0000012 at iteration 12", again.output)

@@ -70,3 +70,18 @@ def test_resume_on_a_different_world_size(interrupted_copy):
     assert "successfully loaded verified checkpoint" in run.output and "at iteration 6" in run.output
     assert "random generators are re-seeded, not restored" in run.output
     assert sorted(run.losses()) == list(range(7, 13))
+
+
+def test_ckpt_step_resumes_from_exactly_that_checkpoint(reference_tp1, tmp_path):
+    reference, reference_ckpt = reference_tp1
+    shutil.copytree(reference_ckpt, tmp_path / "ckpt")  # iterations 3, 6, 9 and 12
+    missing = torchrun(tmp_path / "ckpt", "checkpoint.ckpt_step=5")
+    assert missing.exit_code == 3, tail(missing)
+    assert "checkpoint.ckpt_step=5: checkpoint.load=" in missing.output and "[3, 6, 9, 12]" in missing.output
+    again = torchrun(tmp_path / "ckpt", "checkpoint.ckpt_step=6")  # not the newest (12): exactly 6
+    assert again.exit_code == 0, tail(again)
+    assert "successfully loaded verified checkpoint" in again.output and "at iteration 6" in again.output
+    assert again.losses() == {i: reference.losses()[i] for i in range(7, 13)}
+    assert_same_state(
+        checkpoint_state(tmp_path / "ckpt" / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012")
+    )

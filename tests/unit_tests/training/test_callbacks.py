@@ -7,6 +7,8 @@ from megatron.bridge.training.callbacks import (
     Callback,
     CallbackContext,
     CallbackManager,
+    CheckpointCallbackContext,
+    fire_checkpoint_event,
     fire_event,
     normalize_callbacks,
     should_fire,
@@ -14,6 +16,8 @@ from megatron.bridge.training.callbacks import (
 
 MEGATRON_BRIDGE_EVENTS = {
     "on_data_init_start",
+    "on_checkpoint_save",
+    "on_checkpoint_load",
     *(
         f"on_{phase}_{moment}"
         for phase in ("train", "eval", "test")
@@ -88,3 +92,29 @@ def test_an_exception_in_a_callback_propagates():
     manager.register("on_train_start", boom)
     with pytest.raises(RuntimeError, match="callback failed"):
         fire_event(manager, "on_train_start", None, [])
+
+
+def test_checkpoint_events_get_the_checkpoint_and_its_tier():
+    from megatron.bridge.training.checkpointing import CheckpointType
+
+    seen = []
+
+    class Saver(Callback):
+        def on_checkpoint_save(self, context):
+            seen.append(("save", context))
+
+        def on_checkpoint_load(self, context):
+            seen.append(("load", context))
+
+    manager = CallbackManager()
+    manager.add(Saver())
+    manager.user_state["k"] = 1
+    assert VALID_EVENTS >= {"on_checkpoint_save", "on_checkpoint_load"}
+    fire_checkpoint_event(manager, "on_checkpoint_save", "STATE", "/ckpt/iter_0000004", CheckpointType.GLOBAL)
+    fire_checkpoint_event(manager, "on_checkpoint_load", "STATE", "/local", CheckpointType.LOCAL)
+    fire_checkpoint_event(None, "on_checkpoint_save", "STATE", "/ckpt/iter_0000008", CheckpointType.GLOBAL)
+    assert [(event, type(c), c.checkpoint_name, c.checkpoint_type) for event, c in seen] == [
+        ("save", CheckpointCallbackContext, "/ckpt/iter_0000004", CheckpointType.GLOBAL),
+        ("load", CheckpointCallbackContext, "/local", CheckpointType.LOCAL),
+    ]
+    assert all(c.state == "STATE" and c.user_state == {"k": 1} for _, c in seen)

@@ -71,11 +71,14 @@ def build_data_iterator(
     dp_rank: int,
     dp_size: int,
     num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
     worker_init_fn: Optional[Callable[[int], None]] = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Iterator of micro-batches for this rank that resumes at ``consumed_samples``.
 
-    ``worker_init_fn`` runs in each worker process at its start (e.g. to ignore the preemption signal).
+    ``pin_memory`` applies only where a GPU is present. ``worker_init_fn`` runs in each worker process at its start
+    (e.g. to ignore the preemption signal).
     """
     loader = DataLoader(
         MockGPTDataset(vocab_size, seq_length, seed),
@@ -86,7 +89,8 @@ def build_data_iterator(
         # the child; a worker's start-up then hung now and then (``torch.set_num_threads(1)`` in the worker takes
         # the C runtime's atexit lock). A spawned worker starts from a fresh interpreter.
         multiprocessing_context="spawn" if num_workers > 0 else None,
-        persistent_workers=num_workers > 0,
+        persistent_workers=persistent_workers and num_workers > 0,
+        pin_memory=pin_memory and torch.cuda.is_available(),
         worker_init_fn=worker_init_fn,
         # A private generator: creating the iterator must not draw from the global RNG, or a resumed run (which
         # creates it after restoring the RNG) would diverge from one that never stopped.

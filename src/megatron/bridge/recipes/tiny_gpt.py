@@ -11,7 +11,16 @@ Train it with any launcher; the module ships in the package, so this works from 
 # models first: on CPU it turns megatron-core's jit fuser off before megatron-core loads (1.7 s per rank saved);
 # OptimizerConfig (megatron-core's) is imported after it.
 from megatron.bridge.models import GPTModelProvider
-from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, OptimizerConfig, TrainingConfig
+from megatron.bridge.training.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    LoggerConfig,
+    MockGPTDatasetConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+)
 
 
 def tiny_gpt_provider() -> GPTModelProvider:
@@ -42,12 +51,31 @@ def tiny_gpt_optimizer() -> OptimizerConfig:
     )
 
 
+def tiny_gpt_dataset(seq_length: int = 32, seed: int = 1234) -> MockGPTDatasetConfig:
+    """Mock token sequences of ``seq_length`` tokens, loaded in the training process (no worker processes)."""
+    return MockGPTDatasetConfig(
+        seq_length=seq_length,
+        random_seed=seed,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        num_workers=0,
+    )
+
+
 def tiny_gpt_config() -> ConfigContainer:
-    """A config that trains the tiny GPT for 20 iterations; set ``checkpoint.save``/``load`` to checkpoint."""
+    """A config that trains the tiny GPT for 20 iterations; set ``checkpoint.save``/``load`` to checkpoint.
+
+    Warmup of 2 steps then cosine decay; a log line every step.
+    """
     return ConfigContainer(
         model=tiny_gpt_provider(),
         optimizer=tiny_gpt_optimizer(),
+        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2),
         train=TrainingConfig(train_iters=20, micro_batch_size=2, global_batch_size=8),
+        dataset=tiny_gpt_dataset(),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
+        logger=LoggerConfig(log_interval=1),
         checkpoint=CheckpointConfig(most_recent_k=3),
     )
 

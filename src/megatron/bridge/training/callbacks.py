@@ -5,8 +5,9 @@ The event names are Megatron-Bridge's, so a callback written for it runs here un
 with :meth:`CallbackManager.register`. Functions of one event run in the order they were added; an exception in a
 callback propagates and stops training like any other error in the loop.
 
-Checkpoint events (``on_checkpoint_save_start``/``_end``, ``on_checkpoint_load_end``) are this package's additions:
-Megatron-Bridge has no such moments, and a callback that does not override them never sees them.
+The two checkpoint events get a :class:`CheckpointCallbackContext` (the checkpoint's path and tier) instead of a
+:class:`CallbackContext`: ``on_checkpoint_save`` once a checkpoint is committed (for an asynchronous save, when its
+background write has been committed, a few steps later), ``on_checkpoint_load`` after the run resumed from one.
 """
 
 from collections.abc import Callable, Iterable
@@ -16,7 +17,7 @@ from typing import Any, Optional, Union
 TRAIN_EVENTS = ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end")
 EVAL_EVENTS = ("on_eval_start", "on_eval_step_start", "on_eval_step_end", "on_eval_end")
 TEST_EVENTS = ("on_test_start", "on_test_step_start", "on_test_step_end", "on_test_end")
-CHECKPOINT_EVENTS = ("on_checkpoint_save_start", "on_checkpoint_save_end", "on_checkpoint_load_end")
+CHECKPOINT_EVENTS = ("on_checkpoint_save", "on_checkpoint_load")
 
 VALID_EVENTS: frozenset[str] = frozenset(
     ("on_data_init_start", *TRAIN_EVENTS, *EVAL_EVENTS, *TEST_EVENTS, *CHECKPOINT_EVENTS)
@@ -47,8 +48,24 @@ class CallbackContext:
     """``on_train_step_end``: ``True`` when the optimizer step was skipped (e.g. a NaN loss was skipped)."""
     total_loss_dict: Optional[dict[str, Any]] = None
     """``on_eval_end``/``on_test_end``: the losses averaged over the evaluation."""
-    checkpoint_dir: Optional[str] = None
-    """``on_checkpoint_load_end``: the checkpoint the run resumed from (``None`` when it started from scratch)."""
+
+
+@dataclass
+class CheckpointCallbackContext:
+    """What a checkpoint event's callback sees."""
+
+    state: Any
+    """The run's ``GlobalState``."""
+    checkpoint_name: str
+    """The checkpoint's directory (``<checkpoint.save>/iter_NNNNNNN``; the node-local directory for the local tier)."""
+    checkpoint_type: Any
+    """Its tier: ``checkpointing.CheckpointType.GLOBAL`` or ``.LOCAL``."""
+    user_state: dict = field(default_factory=dict)
+    """The dict every context of this run carries (see :attr:`CallbackContext.user_state`)."""
+
+
+CallbackEventContext = Union[CallbackContext, CheckpointCallbackContext]
+"""What any callback receives."""
 
 
 class Callback:
@@ -93,21 +110,18 @@ class Callback:
     def on_test_end(self, context: CallbackContext) -> None:
         """After the test evaluation; ``total_loss_dict`` holds its averaged losses."""
 
-    def on_checkpoint_save_start(self, context: CallbackContext) -> None:
-        """Before a checkpoint is saved (global or local tier)."""
+    def on_checkpoint_save(self, context: CheckpointCallbackContext) -> None:
+        """A checkpoint was committed (global or local tier)."""
 
-    def on_checkpoint_save_end(self, context: CallbackContext) -> None:
-        """After a checkpoint save returned (an async save may still be writing)."""
-
-    def on_checkpoint_load_end(self, context: CallbackContext) -> None:
-        """After the run resumed from a checkpoint, or found none to resume from (``checkpoint_dir`` is ``None``)."""
+    def on_checkpoint_load(self, context: CheckpointCallbackContext) -> None:
+        """The run resumed from this checkpoint (not called when it started from scratch)."""
 
 
 class CallbackManager:
     """The callbacks of one run, by event, in the order they run."""
 
     def __init__(self) -> None:
-        self._callbacks: dict[str, list[Callable[[CallbackContext], None]]] = {e: [] for e in VALID_EVENTS}
+        self._callbacks: dict[str, list[Callable[[CallbackEventContext], None]]] = {e: [] for e in VALID_EVENTS}
         self._user_state: dict = {}
 
     @property
@@ -132,12 +146,12 @@ class CallbackManager:
                 if getattr(type(cb), event) is not getattr(Callback, event):
                     self._callbacks[event].append(getattr(cb, event))
 
-    def register(self, event_name: str, fn: Callable[[CallbackContext], None]) -> None:
+    def register(self, event_name: str, fn: Callable[[CallbackEventContext], None]) -> None:
         """Run ``fn(context)`` at ``event_name``, after the functions already registered there."""
         self._check(event_name)
         self._callbacks[event_name].append(fn)
 
-    def list_callbacks(self, event_name: str) -> list[Callable[[CallbackContext], None]]:
+    def list_callbacks(self, event_name: str) -> list[Callable[[CallbackEventContext], None]]:
         """The functions of ``event_name`` in the order they run (a copy)."""
         self._check(event_name)
         return list(self._callbacks[event_name])
@@ -146,7 +160,7 @@ class CallbackManager:
         """Whether anything is registered for ``event_name``."""
         return bool(self._callbacks.get(event_name))
 
-    def fire(self, event_name: str, context: CallbackContext) -> None:
+    def fire(self, event_name: str, context: CallbackEventContext) -> None:
         """Run every function of ``event_name`` with ``context``, in order."""
         self._check(event_name)
         for fn in self._callbacks[event_name]:
@@ -184,4 +198,13 @@ def fire_event(
     if should_fire(callback_manager, event_name):
         chunks = model if isinstance(model, list) else [model]
         context = CallbackContext(state=state, model=chunks, user_state=callback_manager.user_state, **fields)
+        callback_manager.fire(event_name, context)
+
+
+def fire_checkpoint_event(
+    callback_manager: Optional[CallbackManager], event_name: str, state: Any, checkpoint_name: str, checkpoint_type: Any
+) -> None:
+    """Run the callbacks of a checkpoint event with a :class:`CheckpointCallbackContext` (built only when needed)."""
+    if should_fire(callback_manager, event_name):
+        context = CheckpointCallbackContext(state, checkpoint_name, checkpoint_type, callback_manager.user_state)
         callback_manager.fire(event_name, context)

@@ -9,6 +9,7 @@ Loading recovers what an interrupted save left behind, verifies the candidate ag
 over ranks) and falls back to the next older checkpoint when verification fails.
 """
 
+import enum
 import logging
 import os
 import time
@@ -37,6 +38,16 @@ from megatron.bridge.utils.dist import all_gather_object, barrier, broadcast_fro
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
+
+
+class CheckpointType(enum.Enum):
+    """A checkpoint's tier (Megatron-Bridge's name; what checkpoint callbacks receive as ``checkpoint_type``)."""
+
+    GLOBAL = "global"
+    """``checkpoint.save``: persistent, shared storage."""
+    LOCAL = "local"
+    """``checkpoint.non_persistent_local_ckpt_dir``: node-local storage (nvidia-resiliency-ext)."""
+
 
 LOCAL_LOAD_SUSPECT_STEPS = 10
 """A non-finite loss this many steps or fewer after a local-tier load is blamed on the local checkpoint."""
@@ -92,8 +103,8 @@ _EXTRA_KEY = "rank_extra"
 """Key of the per-rank extra state inside the per-rank RNG blob."""
 
 
-def _local_tier(cfg: CheckpointConfig) -> Optional[LocalTier]:
-    """The local tier the config asks for, or ``None``."""
+def _local_tier(cfg: CheckpointConfig, on_saved: Callable[[int], None]) -> Optional[LocalTier]:
+    """The local tier the config asks for, or ``None``; ``on_saved(iteration)`` runs when a local save is done."""
     if cfg.non_persistent_ckpt_type != "local":
         return None
     from megatron.core import parallel_state
@@ -114,6 +125,7 @@ def _local_tier(cfg: CheckpointConfig) -> Optional[LocalTier]:
             f"world size {world_size()}, tensor parallel {parallel_state.get_tensor_model_parallel_world_size()}, "
             f"pipeline parallel {parallel_state.get_pipeline_model_parallel_world_size()}"
         ),
+        on_saved=on_saved,
     )
 
 
@@ -158,8 +170,14 @@ class CheckpointManager:
             (rank 0's are in a global checkpoint); :attr:`loaded_common_extra` holds them after a load.
     """
 
-    def __init__(self, cfg: CheckpointConfig, common_extra: Optional[dict[str, Callable[[], Any]]] = None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        common_extra: Optional[dict[str, Callable[[], Any]]] = None,
+        on_saved: Optional[Callable[[str, CheckpointType], None]] = None,
+    ) -> None:
         self.cfg = cfg
+        self._on_saved = on_saved or (lambda name, kind: None)
         self._common_extra = dict(common_extra or {})
         self.loaded_common_extra: dict[str, Any] = {}
         """The ``common_extra`` entries of the checkpoint :meth:`load` loaded (an entry it lacks is absent)."""
@@ -183,7 +201,9 @@ class CheckpointManager:
             from megatron.bridge.utils.cpu_shims import use_persistent_async_worker
 
             self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
-        self.local: Optional[LocalTier] = _local_tier(cfg)
+        self.local: Optional[LocalTier] = _local_tier(
+            cfg, on_saved=lambda iteration: self._on_saved(cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL)
+        )
         """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
         self.loaded_local_iteration: Optional[int] = None
         """The iteration of the local-tier checkpoint this run started from (``None``: global tier or none)."""
@@ -283,6 +303,7 @@ class CheckpointManager:
         on_rank0(publish, "the checkpoint commit")
         self.last_saved_iteration = iteration
         self.last_finalize_seconds = time.perf_counter() - start
+        self._on_saved(layout.iter_dir(root, iteration), CheckpointType.GLOBAL)
 
     def save_local(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
         """Save the current state into the local tier (same content as a global checkpoint)."""
@@ -343,7 +364,16 @@ class CheckpointManager:
         if root is None:
             return None
         candidates = on_rank0(lambda: self._candidates(root), "listing the checkpoints")
-        if self.local is not None and self._load_local(candidates, model, optimizer, scheduler, state):
+        step = self.cfg.ckpt_step
+        if step is not None:  # exactly this one: no local tier, no fallback to an older one
+            if step not in candidates:
+                raise TrainingExit(
+                    ExitCode.NO_VALID_CHECKPOINT,
+                    f"checkpoint.ckpt_step={step}: {source.field}={root} has no committed checkpoint of that "
+                    f"iteration (committed: {sorted(candidates)}); pick one of them or unset checkpoint.ckpt_step",
+                )
+            candidates = [step]
+        elif self.local is not None and self._load_local(candidates, model, optimizer, scheduler, state):
             self.resumed = {
                 "tier": "local",
                 "iteration": state.step,
@@ -368,7 +398,9 @@ class CheckpointManager:
                 )
                 continue
             self._load_dir(ckpt_dir, model, optimizer, scheduler, state)
-            why = f"newest verified checkpoint in {source.field}"
+            why = (
+                f"checkpoint.ckpt_step={step}" if step is not None else f"newest verified checkpoint in {source.field}"
+            )
             if iteration != candidates[0]:
                 logger.warning("fell back to checkpoint at iteration %d (newest was %d)", iteration, candidates[0])
                 why += f" (newer {[c for c in candidates if c > iteration]} failed verification)"
@@ -453,7 +485,8 @@ class CheckpointManager:
 
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)
         sharded_sd = self._state_dict_to_load(common, model, optimizer, scheduler, state)
-        self._apply(dist_checkpointing.load(sharded_sd, ckpt_dir), model, optimizer, scheduler, state)
+        loaded = dist_checkpointing.load(sharded_sd, ckpt_dir, strict=self.cfg.dist_ckpt_strictness)
+        self._apply(loaded, model, optimizer, scheduler, state)
 
     def _state_dict_to_load(
         self, common: dict, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
@@ -477,7 +510,14 @@ class CheckpointManager:
     ) -> None:
         _unwrap(model).load_state_dict(loaded["model"], strict=True)
         optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        try:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        except AssertionError as err:  # megatron-core: the config's schedule differs from the checkpoint's
+            raise TrainingExit(
+                ExitCode.CONFIG_ERROR,
+                f"scheduler: {err}; set scheduler.use_checkpoint_opt_param_scheduler=True to keep the checkpoint's "
+                "schedule, or scheduler.override_opt_param_scheduler=True to use the config's",
+            ) from None
         state.load_state_dict(loaded["train_state"])
         if "rng_state" in loaded:
             blob = rng_state_from_tensor(loaded["rng_state"][0])

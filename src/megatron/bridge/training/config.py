@@ -1,38 +1,92 @@
-"""Configuration dataclasses for pretraining; ``validate()`` checks them before anything starts.
+"""Configuration dataclasses for pretraining, in Megatron-Bridge's form; ``validate()`` checks them first.
 
-A run is described by a :class:`ConfigContainer`. Recipes build one, entry scripts apply dotted overrides
-(``train.train_iters=100 ft.enable_ft_package=true``) and :meth:`ConfigContainer.validate` rejects every
-inconsistent combination with a :class:`ValueError` that names the field and the fix (the checks live in
-``config_validation.py``).
+A run is described by a :class:`ConfigContainer` of megatron-core configs (``GPTModelProvider``, ``OptimizerConfig``,
+``DistributedDataParallelConfig``, ``GPTDatasetConfig``) and the sections below. Recipes build one, entry scripts
+apply dotted overrides (``train.train_iters=100 ft.enable_ft_package=True``) and :meth:`ConfigContainer.validate`
+rejects every inconsistent combination, and every field this framework cannot honour, with a :class:`ValueError`
+that names the field and the fix (the checks live in ``config_validation.py``; the list of refused fields in
+``field_support.py``; ``docs/training/config-reference.md`` lists every field with its status).
+
+The resiliency sections (``ft``, ``nvrx_straggler``, ``inprocess_restart``, ``rerun_state_machine``, ...) are
+defined in ``resiliency_config.py`` and importable from here, as in Megatron-Bridge.
 """
 
 import dataclasses
 import logging
+import os
 import signal
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+from megatron.bridge.training.resiliency_config import (
+    INPROCESS_STORE_PORT_OFFSET,
+    FaultInjectionConfig,
+    FaultToleranceConfig,
+    HealthConfig,
+    InProcessRestartConfig,
+    NVRxStragglerDetectionConfig,
+    RerunStateMachineConfig,
+    StragglerDetectionConfig,
+    is_enabled,
+)
+from megatron.bridge.training.tokenizers.config import TokenizerConfig
+from megatron.bridge.utils.fields import named_fields
 
 if TYPE_CHECKING:  # megatron-core classes: importing them here would import megatron-core with every config read
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
+    from megatron.bridge.data.config import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
     from megatron.bridge.models.gpt_provider import GPTModelProvider
+
+__all__ = [
+    "INPROCESS_STORE_PORT_OFFSET",
+    "CheckpointConfig",
+    "ConfigContainer",
+    "DataloaderConfig",
+    "DistributedDataParallelConfig",
+    "DistributedInitConfig",
+    "FaultInjectionConfig",
+    "FaultToleranceConfig",
+    "GPTDatasetConfig",
+    "HealthConfig",
+    "InProcessRestartConfig",
+    "LoggerConfig",
+    "MockGPTDatasetConfig",
+    "NVRxStragglerDetectionConfig",
+    "OptimizerConfig",
+    "ProfilingConfig",
+    "RNGConfig",
+    "RerunStateMachineConfig",
+    "SchedulerConfig",
+    "StragglerDetectionConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "ValidationConfig",
+    "is_enabled",
+]
+
+_LAZY = {
+    "OptimizerConfig": "megatron.core.optimizer",
+    "DistributedDataParallelConfig": "megatron.core.distributed",
+    "DataloaderConfig": "megatron.bridge.data.config",
+    "GPTDatasetConfig": "megatron.bridge.data.config",
+    "MockGPTDatasetConfig": "megatron.bridge.data.config",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """megatron-core's ``OptimizerConfig`` and ``DistributedDataParallelConfig``, loaded on first use.
+    """megatron-core's optimizer and DDP configs and the dataset configs, loaded on first use.
 
-    Megatron-Bridge users import both from this module.
+    Megatron-Bridge users import them from this module; importing them eagerly would load megatron-core with every
+    config read.
     """
-    if name == "OptimizerConfig":
-        from megatron.core.optimizer import OptimizerConfig
+    if name in _LAZY:
+        import importlib
 
-        return OptimizerConfig
-    if name == "DistributedDataParallelConfig":
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        return DistributedDataParallelConfig
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -42,24 +96,45 @@ def _default_ddp() -> "DistributedDataParallelConfig":
     return DistributedDataParallelConfig()
 
 
-@dataclass
+@named_fields
+@dataclass(kw_only=True)
 class RNGConfig:
     """Random number generation."""
 
     seed: int = 1234
     """Seed for every generator (python, numpy, torch, and megatron-core's model-parallel RNG tracker)."""
+    te_rng_tracker: bool = False
+    """Use Transformer Engine's RNG tracker (needs Transformer Engine)."""
+    inference_rng_tracker: bool = False
+    """Use the RNG tracker set up for inference."""
+    data_parallel_random_init: bool = False
+    """Initialize the weights differently on each data-parallel rank."""
 
 
+@named_fields
 @dataclass(kw_only=True)
 class TrainingConfig:
     """Training loop length, batch sizes, and the ways a run may stop early."""
 
-    train_iters: int = 100
-    """Total number of optimizer steps."""
-    micro_batch_size: int = 2
-    """Samples per micro-batch on one data-parallel rank."""
-    global_batch_size: int = 8
-    """Samples per optimizer step over all data-parallel ranks (gradient accumulation fills the rest)."""
+    micro_batch_size: Optional[int] = None
+    """Samples per micro-batch on one data-parallel rank (required)."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all data-parallel ranks (gradient accumulation fills the rest); ``None``:
+    ``micro_batch_size`` times the data-parallel size."""
+    rampup_batch_size: Optional[list[int]] = None
+    """Batch-size ramp-up ``[start, increment, samples]``."""
+    decrease_batch_size_if_needed: bool = False
+    """Shrink the global batch when the data-parallel size does not divide it."""
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Empty the CUDA cache after each step (1) or also before the optimizer step (2)."""
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    """Every this many steps, check that data-parallel replicas hold identical weights."""
+    train_sync_interval: Optional[int] = None
+    """Synchronize the CPU with the GPU every this many steps."""
+    train_iters: Optional[int] = None
+    """Total number of optimizer steps (this or ``train_samples``)."""
+    train_samples: Optional[int] = None
+    """Total number of samples; ``train_iters`` becomes ``train_samples // global_batch_size``."""
     exit_interval: Optional[int] = None
     """Save and exit when the iteration is a multiple of this (exit code 20)."""
     exit_duration_in_mins: Optional[float] = None
@@ -74,6 +149,22 @@ class TrainingConfig:
     """Seconds from the signal to the exit: a save still running then is abandoned (it is never loaded; the newest
     committed checkpoint stays the one to resume from) and the process exits 18. Keep it below the scheduler's
     grace time (``PreemptionPlugin.preempt_time``, Slurm ``KillWait``); ``None`` waits for the save however long."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collection off and collect every ``manual_gc_interval`` steps."""
+    manual_gc_interval: int = 0
+    """Steps between manual garbage collections."""
+    manual_gc_eval: bool = True
+    """Collect garbage around each evaluation when ``manual_gc`` is on."""
+    iterations_to_skip: list[int] = field(default_factory=list)
+    """Iterations whose batch is consumed without an update."""
+    eval_iters: Optional[int] = None
+    """Deprecated: ``validation.eval_iters`` (copied there by ``validate()``, with a warning)."""
+    eval_interval: Optional[int] = None
+    """Deprecated: ``validation.eval_interval`` (copied there by ``validate()``, with a warning)."""
+    skip_train: Optional[bool] = None
+    """Deprecated: ``validation.skip_train`` (copied there by ``validate()``, with a warning)."""
+    derived: set[str] = field(default_factory=set, init=False, repr=False)
+    """Fields ``validate()`` computed (``train_iters`` from ``train_samples``, ``global_batch_size``)."""
 
 
 class TrainConfig(TrainingConfig):
@@ -84,11 +175,12 @@ class TrainConfig(TrainingConfig):
         super().__init__(**kwargs)
 
 
+@named_fields
 @dataclass(kw_only=True)
 class ValidationConfig:
     """Evaluation on validation data during training."""
 
-    eval_iters: int = 100
+    eval_iters: Optional[int] = 100
     """Steps (global batches) of each evaluation."""
     eval_interval: Optional[int] = None
     """Evaluate every this many training steps; ``None``: never during training."""
@@ -96,56 +188,122 @@ class ValidationConfig:
     """Do not train: evaluate the loaded (or freshly initialized) model once and stop."""
 
 
-@dataclass
+@named_fields
+@dataclass(kw_only=True)
 class SchedulerConfig:
-    """Learning-rate schedule (megatron-core ``OptimizerParamScheduler``)."""
+    """Learning-rate and weight-decay schedules (megatron-core's ``OptimizerParamScheduler``).
 
-    lr_decay_style: str = "cosine"
-    """``"constant"``, ``"linear"`` or ``"cosine"``."""
-    lr_warmup_iters: int = 2
-    """Linear warmup length in iterations."""
+    The rates themselves (``lr``, ``min_lr``, ``weight_decay``) are fields of the optimizer config.
+    """
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """Shape of the learning-rate decay after warmup."""
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine"] = "exponential"
+    """Shape of the final anneal of a ``WSD`` (warmup-stable-decay) schedule."""
     lr_decay_iters: Optional[int] = None
-    """Iterations over which the rate decays; ``None`` means ``train.train_iters``."""
+    """Iterations over which the rate decays; ``None``: ``train.train_iters``."""
+    lr_decay_samples: Optional[int] = None
+    """Samples over which the rate decays (instead of ``lr_decay_iters``)."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Iterations of a ``WSD`` schedule's final anneal."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """Samples of a ``WSD`` schedule's final anneal."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of the decay length (instead of ``lr_warmup_iters``/``lr_warmup_samples``)."""
+    lr_warmup_iters: int = 0
+    """Linear warmup length in iterations."""
+    lr_warmup_samples: int = 0
+    """Linear warmup length in samples."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of the warmup."""
+    override_opt_param_scheduler: bool = False
+    """On resume, use this config's schedule instead of the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, use the checkpoint's schedule instead of this config's."""
+    start_weight_decay: Optional[float] = None
+    """Weight decay at the start; ``None``: the optimizer's ``weight_decay``."""
+    end_weight_decay: Optional[float] = None
+    """Weight decay at the end; ``None``: the optimizer's ``weight_decay``."""
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How the weight decay moves from start to end."""
+    lr_warmup_steps: Optional[int] = field(default=None, init=False)
+    """Warmup length in samples, computed by ``validate()``."""
+    lr_decay_steps: Optional[int] = field(default=None, init=False)
+    """Decay length in samples, computed by ``validate()``."""
+    wd_incr_steps: Optional[int] = field(default=None, init=False)
+    """Weight-decay schedule length in samples, computed by ``validate()``."""
+    wsd_decay_steps: Optional[int] = field(default=None, init=False)
+    """Length of a ``WSD`` schedule's final anneal in samples, computed by ``validate()``."""
 
 
-@dataclass
-class DatasetConfig:
-    """Mock pretraining data: deterministic random token sequences, addressed by global sample index."""
-
-    num_workers: int = 0
-    """Data-loader worker processes per rank."""
-    seed: Optional[int] = None
-    """Seed of the token stream; ``None`` means ``rng.seed``."""
-
-
-@dataclass
+@named_fields
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """Checkpoint save and load (global ``torch_dist`` tier; ``non_persistent_*`` is the local tier)."""
 
     save: Optional[str] = None
     """Directory to save checkpoints into; ``None`` disables saving."""
-    load: Optional[str] = None
-    """Directory to resume from (usually the same as ``save``); ``None`` starts from scratch."""
     save_interval: Optional[int] = None
     """Save every this many iterations (and at the end of training)."""
     most_recent_k: int = -1
     """Keep only the newest k committed checkpoints; -1 keeps all."""
-    ckpt_format: str = "torch_dist"
-    """On-disk format; only ``"torch_dist"`` (megatron-core distributed checkpointing) is supported."""
-    async_save: bool = False
-    """Write checkpoint files in a background process while training continues (needs ``torch_dist``)."""
-    fully_parallel_save: bool = True
-    """Spread the writing of replicated tensors over data-parallel ranks."""
-    exit_on_missing_checkpoint: bool = False
-    """Fail (exit code 3) when ``load`` holds no checkpoint at all, instead of starting from iteration 0."""
+    save_optim: bool = True
+    """Save the optimizer state."""
+    save_rng: bool = True
+    """Save every random generator's state."""
+    load: Optional[str] = None
+    """Directory to resume from (usually the same as ``save``); ``None`` starts from scratch."""
+    load_optim: bool = True
+    """Load the optimizer state."""
+    load_rng: bool = True
+    """Load the random generators' state."""
+    load_main_params_from_ckpt: bool = False
+    """Load fp32 main parameters from the checkpoint (needs ``load_optim=False``)."""
     non_persistent_save_interval: Optional[int] = None
     """Local-tier save interval in iterations."""
-    non_persistent_ckpt_type: Optional[str] = None
-    """Local-tier type: ``"local"`` (node-local storage through nvidia-resiliency-ext)."""
+    non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory", "None"]] = None
+    """Kind of non-persistent checkpoint: ``"local"`` (node-local storage through nvidia-resiliency-ext)."""
+    non_persistent_global_ckpt_dir: Optional[str] = None
+    """Directory of ``"global"`` non-persistent checkpoints."""
     non_persistent_local_ckpt_dir: Optional[str] = None
     """Node-local directory for the local tier."""
-    non_persistent_local_ckpt_algo: str = "fully_parallel"
-    """Local-tier save algorithm: ``"fully_parallel"`` or ``"atomic"``."""
+    non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
+    """Local-tier save algorithm."""
+    finetune: bool = False
+    """Load only the weights and start at iteration 0."""
+    pretrained_checkpoint: Optional[str] = None
+    """Weights to start a finetuning run from."""
+    ckpt_step: Optional[int] = None
+    """Resume from exactly this iteration of ``load`` (it must exist and verify; no fallback to an older one)."""
+    use_checkpoint_args: bool = False
+    """Take model arguments from the checkpoint."""
+    exit_on_missing_checkpoint: bool = False
+    """Fail (exit code 3) when ``load`` holds no checkpoint at all, instead of starting from iteration 0."""
+    ckpt_format: Literal["torch_dist", "zarr", "fsdp_dtensor"] = "torch_dist"
+    """On-disk format: megatron-core distributed checkpointing (``torch_dist``)."""
+    fully_parallel_save: bool = True
+    """Spread the writing of replicated tensors over data-parallel ranks."""
+    async_save: bool = False
+    """Write checkpoint files in a background process while training continues (needs ``torch_dist``)."""
+    async_strategy: Literal["nvrx", "mcore"] = "nvrx"
+    """Who runs asynchronous saves: nvidia-resiliency-ext's ``AsyncCallsQueue``."""
+    use_persistent_ckpt_worker: bool = True
+    """Keep one long-lived background writer process for asynchronous saves."""
+    fully_parallel_load: bool = False
+    """Spread checkpoint reading over data-parallel ranks and exchange the parts."""
+    ckpt_assume_constant_structure: bool = False
+    """Assume every save has the same structure (lets megatron-core cache its plan)."""
+    dist_ckpt_strictness: Literal[
+        "assume_ok_unexpected",
+        "log_unexpected",
+        "log_all",
+        "raise_unexpected",
+        "raise_all",
+        "return_unexpected",
+        "return_all",
+        "ignore_all",
+    ] = "assume_ok_unexpected"
+    """What loading does about keys the checkpoint and the model do not share (megatron-core ``StrictHandling``)."""
     replication: bool = False
     """Replicate local-tier shards to other nodes."""
     replication_jump: Optional[int] = None
@@ -154,18 +312,48 @@ class CheckpointConfig:
     """Number of copies of each local-tier shard."""
 
 
-@dataclass
+@named_fields
+@dataclass(kw_only=True)
 class LoggerConfig:
-    """Logging."""
+    """Logging and TensorBoard."""
 
-    log_interval: int = 1
+    log_interval: int = 100
     """Log loss and timings every this many iterations."""
-    logging_level: int = logging.INFO
-    """Level of the ``megatron.bridge`` loggers: ``logging.INFO`` (20), ``logging.DEBUG`` (10), ..."""
+    log_params_norm: bool = False
+    """Log the norm of the parameters."""
+    log_throughput: bool = False
+    """Log throughput per GPU."""
+    log_progress: bool = False
+    """Write ``progress.txt`` (tokens, floating-point operations) into the checkpoint directory."""
+    timing_log_level: Literal[-1, 0, 1, 2] = 0
+    """Detail of the timers logged (0: the step only)."""
+    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
+    """How timers are reduced across ranks."""
     tensorboard_dir: Optional[str] = None
     """Write scalars for TensorBoard here (rank 0 only); ``None`` disables it."""
+    tensorboard_log_interval: int = 1
+    """Write training scalars to TensorBoard every this many iterations."""
+    tensorboard_queue_size: int = 1000
+    """Events TensorBoard's writer queues before it flushes."""
+    log_timers_to_tensorboard: bool = False
+    """Write the timers to TensorBoard."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write validation perplexity to TensorBoard."""
+    log_memory_to_tensorboard: bool = False
+    """Write CUDA memory statistics to TensorBoard."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; ``None`` disables it."""
+    wandb_exp_name: Optional[str] = None
+    """Weights & Biases run name."""
+    wandb_save_dir: Optional[str] = None
+    """Weights & Biases local directory."""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases team or user."""
+    logging_level: int = logging.INFO
+    """Level of the ``megatron.bridge`` loggers: ``logging.INFO`` (20), ``logging.DEBUG`` (10), ..."""
 
 
+@named_fields
 @dataclass(kw_only=True)
 class DistributedInitConfig:
     """torch.distributed setup."""
@@ -175,194 +363,72 @@ class DistributedInitConfig:
     it), so a GPU recipe runs unchanged on CPU."""
     distributed_timeout_minutes: int = 10
     """Timeout of collectives (the watchdog timeout with NCCL)."""
+    align_grad_reduce: bool = True
+    """With pipeline parallelism, each stage reduces its gradients on its own."""
+    local_rank: int = field(default_factory=lambda: int(os.getenv("LOCAL_RANK", "0")))
+    """This process's rank on its node (from the launcher's ``LOCAL_RANK``); picks the GPU."""
+    lazy_init: bool = False
+    """Defer model-parallel initialization to an external manager."""
+    use_megatron_fsdp: bool = False
+    """Shard parameters with Megatron FSDP."""
+    use_torch_fsdp2: bool = False
+    """Shard parameters with PyTorch FSDP2."""
+    nccl_communicator_config_path: Optional[str] = None
+    """YAML file of per-communicator NCCL settings."""
+    use_tp_pp_dp_mapping: bool = False
+    """Order ranks tensor-pipeline-data instead of tensor-data-pipeline."""
+    use_gloo_process_groups: bool = True
+    """Also create gloo process groups next to the NCCL ones."""
+    use_sharp: bool = False
+    """Use InfiniBand SHARP for data-parallel collectives."""
+    external_gpu_device_mapping: bool = False
+    """GPU visibility is set outside (``CUDA_VISIBLE_DEVICES``): always use ``cuda:0``."""
+    enable_megatron_core_experimental: bool = False
+    """Enable megatron-core's experimental features."""
+    distributed_timeout_seconds_after_init: Optional[int] = None
+    """A shorter collective timeout from the first iteration on."""
+    disable_jit_fuser: bool = False
+    """Turn megatron-core's jit fuser off (it is always off on CPU)."""
 
 
-@dataclass
-class FaultToleranceConfig:
-    """Hang and crash detection through nvidia-resiliency-ext's rank monitor (needs ``ft_launcher``)."""
+@named_fields
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    """Profilers (none can run in this framework yet: ``validate()`` refuses turning one on)."""
 
-    enable_ft_package: bool = False
-    """Enable fault tolerance (heartbeats and section timeouts to the ft_launcher rank monitor)."""
-    calc_ft_timeouts: bool = False
-    """Compute section timeouts from observed times and save them to ``ft_state.json``."""
-    simulate_fault: bool = False
-    """Inject a fault for testing: a timed fault of the fault-injection registry (``<kind>@<delay>s:<rank>``)."""
-    simulated_fault_type: str = "random"
-    """``"rank_hung"``, ``"rank_killed"`` or ``"random"``."""
-    simulated_fault_rank: Optional[int] = None
-    """Rank to fault; ``None`` picks one at random."""
-    simulated_fault_base_delay: float = 0
-    """Seconds after the rank starts training (its first iteration) before the simulated fault strikes."""
-
-
-@dataclass
-class FaultInjectionConfig:
-    """Real faults on demand, for tests and drills (``training/fault_injection.py`` documents the spec)."""
-
-    faults: str = ""
-    """Comma-separated faults ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.
-    ``"kill@8:1,stall@6:1:save.during_write,nan@8:0:local_save"``; ``$MBRIDGE_FAULTS`` (for launcher-driven runs)
-    adds its faults to these. Empty: none."""
-    ledger: Optional[str] = None
-    """File shared by every attempt of the job: each fault strikes once per job, the first time any attempt reaches
-    it, and is recorded there (a JSON line with its wall-clock time) just before. ``None``: faults strike in the
-    first attempt only (unless ``:always``)."""
-
-
-@dataclass
-class NVRxStragglerDetectionConfig:
-    """Straggler detection through nvidia-resiliency-ext's ``straggler.Detector``."""
-
-    enabled: bool = False
-    """Enable straggler detection."""
-    report_time_interval: float = 300.0
-    """Seconds between straggler reports."""
-    calc_relative_gpu_perf: bool = True
-    """Score ranks against each other."""
-    calc_individual_gpu_perf: bool = True
-    """Score each rank against its own history."""
-    num_gpu_perf_scores_to_print: int = 5
-    """Number of best and worst scores printed in each report."""
-    gpu_relative_perf_threshold: float = 0.7
-    """A relative score below this flags a straggler (0 < x <= 1)."""
-    gpu_individual_perf_threshold: float = 0.7
-    """An individual score below this flags a straggler (0 < x <= 1)."""
-    stop_if_detected: bool = False
-    """Save and stop all ranks when a straggler is flagged."""
-    enable_logging: bool = True
-    """Send score statistics to TensorBoard."""
-    profiling_interval: int = 1
-    """Time every n-th entry of each detection section (the step section once per step, the forward section once
-    per micro-batch); 1 times all of them."""
-
-
-@dataclass
-class StragglerDetectionConfig:
-    """megatron-core's older ``StragglerDetector`` (Megatron-LM's ``--log-straggler``).
-
-    Not available in this framework: it is here so that a config carried over from Megatron-LM fails with a clear
-    message instead of an unknown-field error. Use :class:`NVRxStragglerDetectionConfig`.
-    """
-
-    log_straggler: bool = False
-    """Enable the legacy detector; only ``False`` is accepted (use ``nvrx_straggler.enabled``)."""
-
-
-def is_enabled(section: Optional[object], flag: str = "enabled") -> bool:
-    """Whether an optional section is set and switched on (``None`` is off).
-
-    Example: ``is_enabled(cfg.ft, "enable_ft_package")``.
-    """
-    return section is not None and bool(getattr(section, flag))
-
-
-INPROCESS_STORE_PORT_OFFSET = 2
-"""In-process restart's store listens on ``MASTER_PORT + 2`` (the launcher's store is on ``MASTER_PORT``)."""
-
-
-@dataclass
-class InProcessRestartConfig:
-    """In-process restart through nvidia-resiliency-ext's ``inprocess.Wrapper`` (experimental).
-
-    Needs a launcher that sets ``MASTER_ADDR``/``MASTER_PORT`` (torchrun, ``megatron.bridge.launch``, ft_launcher or
-    srun with ``--kill-on-bad-exit=0``), the environment ``TORCH_CPP_LOG_LEVEL=error``,
-    ``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``, ``NCCL_NVLS_ENABLE=0``, and a free port at ``MASTER_PORT + 2`` (the
-    wrapper's store, hosted by rank 0).
-    """
-
-    enabled: bool = False
-    """Enable in-process restart."""
-    active_world_size: Optional[int] = None
-    """Ranks executing the workload; the rest are warm reserves that replace faulty ranks. ``None``: all ranks."""
-    granularity: str = "node"
-    """``"node"``: a fault retires every rank of the faulty rank's node; ``"rank"``: only that rank."""
-    max_iterations: Optional[int] = None
-    """Maximum in-process restarts (the training function runs at most this + 1 times); then the processes exit
-    with code 22 and an outer launcher may restart the job. ``None`` is unlimited."""
-    soft_timeout: float = 60.0
-    """Seconds without progress (a completed step or save) before a rank is declared hung and every rank restarts
-    in-process; catches hangs with the GIL released."""
-    hard_timeout: float = 90.0
-    """Seconds without progress before a hung rank is terminated (SIGTERM, then SIGKILL)."""
-    heartbeat_interval: float = 30.0
-    """Seconds between the monitor processes' heartbeats."""
-    heartbeat_timeout: float = 60.0
-    """Seconds of missing heartbeats before a rank is declared dead."""
-    barrier_timeout: float = 120.0
-    """Timeout of the barrier every rank passes before a restart."""
-    completion_timeout: float = 120.0
-    """Timeout of the barrier every rank passes when the training function returns."""
-    empty_cuda_cache: bool = True
-    """Empty the CUDA cache before a restart (no effect without CUDA)."""
-    max_rank_faults: Optional[int] = None
-    """Faults a rank may cause before its health check fails and it is retired. ``None`` is unlimited."""
-    monitor_process_logdir: Optional[str] = None
-    """Directory for one monitor-process log per rank (``monitor_process_<rank>.log``); ``None`` logs nowhere."""
-
-
-@dataclass
-class RerunStateMachineConfig:
-    """megatron-core's re-run state machine (experimental upstream) and the loss checks around it."""
-
-    rerun_mode: str = "disabled"
-    """``"disabled"`` (check the loss, never re-run), ``"validate_results"`` (re-run a step whose loss failed a
-    check to tell a transient fault from a reproducible one) or ``"report_determinism_stats"`` (re-run every step
-    once and report how much results differ)."""
-    check_for_nan_in_loss: bool = True
-    """Check every micro-batch loss for NaN/Inf. The decision is reduced across all ranks: every rank stops (or
-    skips the step) together."""
-    check_for_spiky_loss: bool = False
-    """Check for a loss far above the largest of the first 100 micro-batch losses (a warning; re-run when
-    ``validate_results``)."""
-    spiky_loss_factor: float = 10.0
-    """A loss above factor * max observed loss is flagged."""
-    max_consecutive_nan_skips: int = 0
-    """With ``rerun_mode="disabled"``: skip the optimizer step of a step whose loss is NaN/Inf (gradients dropped,
-    data consumed) up to this many steps in a row, then stop with exit 17. 0 stops at the first one."""
-    max_rerun_restarts: int = 3
-    """How many times a job may exit with 16 to re-run the same suspicious step from its checkpoint (each restart
-    that lands on the same device is one more). Past it, ``on_rerun_limit`` applies: never an endless loop."""
-    on_rerun_limit: str = "stop"
-    """``"stop"``: exit 17 and ask ft_launcher not to restart. ``"fallback"``: set the failing checkpoint aside
-    (renamed, never deleted), resume from the newest verified older one, once per failing step; then stop."""
-    error_injection_rate: int = 0
-    """Tests and drills: make megatron-core's error injector fail about one validated result in this many (0 =
-    off). Affects the python random stream, so runs with it are not bit-comparable to runs without."""
-    error_injection_type: str = "transient_error"
-    """What the injected failure turns out to be: ``"transient_error"``, ``"persistent_error"`` or
-    ``"correct_result"``."""
-    result_rejected_tracker_filename: Optional[str] = None
-    """File that megatron-core appends one line to for every rejected result (None = no file)."""
-
-
-@dataclass
-class HealthConfig:
-    """Liveness ping, device health checks and hang attribution (stacks of a stuck rank written before it is killed)."""
-
-    liveness_ping_interval: int = 0
-    """Every this many steps, all ranks join a one-element all-reduce on a side group with a real timeout, so that a
-    dead or stuck peer is reported by rank (after at most ``liveness_ping_timeout`` seconds, exit 24) instead of the
-    next large collective waiting for ``dist.distributed_timeout_minutes``. 0 turns it off."""
-    liveness_ping_timeout: float = 60.0
-    """Seconds the liveness ping waits for every rank; keep it above the longest step-to-step skew between ranks
-    (a save on one rank delays its next ping)."""
-    stack_dump_after: Optional[float] = None
-    """Seconds a step or a save may stay open before this rank writes every thread's Python stack to its attribution
-    file (``<checkpoint.save>/attribution/<attempt>/rank<N>.stacks``), so a hang leaves a record of where each rank
-    was before a timeout kills it. ``None``: the earliest of half the ft section timeout, half of
-    ``inprocess_restart.soft_timeout`` and, for a step, half of ``liveness_ping_timeout`` past the last step's length;
-    off when none applies. 0: off."""
+    use_nsys_profiler: bool = False
+    """Drive Nsight Systems through the CUDA profiler API."""
+    profile_step_start: int = 10
+    """First profiled step."""
+    profile_step_end: int = 12
+    """Last profiled step."""
+    use_pytorch_profiler: bool = False
+    """Use the PyTorch profiler."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Ranks that profile."""
+    record_memory_history: bool = False
+    """Record the CUDA memory history."""
+    memory_snapshot_path: str = "snapshot.pickle"
+    """Where the memory snapshot is written."""
+    record_shapes: bool = False
+    """Record tensor shapes while profiling."""
+    nvtx_ranges: bool = False
+    """Annotate NVTX ranges."""
 
 
 @dataclass(kw_only=True)
 class ConfigContainer:
-    """Everything that describes one pretraining run (keyword arguments only)."""
+    """Everything that describes one pretraining run (keyword arguments only; Megatron-Bridge's sections)."""
 
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    """Seeds."""
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    """Re-run state machine and loss checks."""
+    train: TrainingConfig
+    """Loop length, batch sizes, early exits."""
     model: "GPTModelProvider"
     """The model and its parallelism: a ``GPTModelProvider`` (``megatron.bridge.models``), i.e. a megatron-core
     ``TransformerConfig`` that builds the model."""
-    train: TrainingConfig = field(default_factory=TrainingConfig)
-    """Loop length, batch sizes, early exits."""
     optimizer: "OptimizerConfig"
     """The optimizer: megatron-core's ``OptimizerConfig`` (``optimizer``, ``lr``, ``min_lr``, ``weight_decay``,
     ``adam_*``, ``clip_grad``, ...), built by ``get_megatron_optimizer``."""
@@ -370,35 +436,46 @@ class ConfigContainer:
     """Data-parallel gradient reduction: megatron-core's ``DistributedDataParallelConfig``."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     """Evaluation on validation data."""
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig
     """Learning-rate schedule."""
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    """Data."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Checkpoint save and load."""
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    dataset: "GPTDatasetConfig"
+    """Data: a ``MockGPTDatasetConfig`` (synthetic tokens) or ``GPTDatasetConfig`` (megatron-core's)."""
+    logger: LoggerConfig
     """Logging."""
+    tokenizer: TokenizerConfig
+    """The tokenizer (``NullTokenizer`` with ``vocab_size`` for mock data)."""
+    checkpoint: CheckpointConfig
+    """Checkpoint save and load."""
     dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
     """torch.distributed."""
-    rng: RNGConfig = field(default_factory=RNGConfig)
-    """Seeds."""
     ft: Optional[FaultToleranceConfig] = None
     """Fault tolerance; ``None`` is off (a dotted override of one of its fields creates it)."""
-    nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
-    """Straggler detection; ``None`` is off."""
     straggler: Optional[StragglerDetectionConfig] = None
     """The legacy straggler detector (rejected when enabled); ``None`` is off."""
+    nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
+    """Straggler detection; ``None`` is off."""
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    """Profilers."""
+    peft: Optional[Any] = None
+    """Parameter-efficient finetuning (not available here: must be ``None``)."""
+    comm_overlap: Optional[Any] = None
+    """Communication overlap settings (not available here: must be ``None``)."""
+    mixed_precision: Optional[Union[str, Any]] = None
+    """A mixed-precision recipe (not available here: must be ``None``; set ``model.bf16``/``params_dtype``)."""
+    tensor_inspect: Optional[Any] = None
+    """Tensor inspection (not available here: must be ``None``)."""
     inprocess_restart: Optional[InProcessRestartConfig] = None
     """In-process restart; ``None`` is off."""
-    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
-    """Re-run state machine."""
     health: HealthConfig = field(default_factory=HealthConfig)
-    """Liveness ping, device health checks, hang attribution."""
+    """Liveness ping, device health checks, hang attribution (this framework's)."""
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
-    """Faults injected for tests and drills."""
+    """Faults injected for tests and drills (this framework's)."""
 
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check every field and every combination; raise ``ValueError`` naming the field and the fix.
+
+        As in Megatron-Bridge, it also finalizes the model and dataset configs and fills the fields derived from
+        others (``train.global_batch_size`` when ``None``, ``train.train_iters`` from ``train.train_samples``).
 
         Args:
             world_size: number of ranks; defaults to ``$WORLD_SIZE`` (1 when unset).

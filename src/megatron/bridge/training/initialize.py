@@ -27,9 +27,13 @@ def setup_logging(level: int) -> None:
     logging.getLogger("megatron.bridge").setLevel(level)
 
 
-def select_device() -> torch.device:
-    """The device this rank trains on: its local CUDA device when CUDA is present, else its share of the CPU cores."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+def select_device(local_rank: Optional[int] = None) -> torch.device:
+    """The device this rank trains on: its local CUDA device when CUDA is present, else its share of the CPU cores.
+
+    ``local_rank`` (``dist.local_rank``) defaults to the launcher's ``LOCAL_RANK``.
+    """
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -65,11 +69,15 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
         store: rendezvous store for the default group (in-process restart gives each iteration its own);
             ``None`` uses the launcher's environment (``env://``).
     """
-    device = select_device()
+    device = select_device(cfg.dist.local_rank)
     if device.type == "cpu":
         from megatron.bridge.utils.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
+    elif cfg.dist.disable_jit_fuser:  # (always off on CPU)
+        from megatron.core.jit import disable_jit_fuser
+
+        disable_jit_fuser()
     backend = cfg.dist.distributed_backend
     if device.type == "cpu":
         from megatron.bridge.utils.cpu_shims import process_group_backend

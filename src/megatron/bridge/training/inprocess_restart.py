@@ -44,10 +44,6 @@ from megatron.bridge.utils.optional_imports import require
 logger = logging.getLogger(__name__)
 
 
-MONITOR_INTERVAL_S = 1.0
-"""The wrapper's monitor-process and monitor-thread interval; the progress watchdog reports every 2 intervals."""
-
-
 @dataclass
 class RestartIteration:
     """What one call of the wrapped training function knows about the in-process restart around it."""
@@ -241,10 +237,11 @@ def build_wrapper(
         completion=inprocess.nested_restarter.NestedRestarterFinalized(),
         terminate=inprocess.nested_restarter.NestedRestarterAborted(),
         rank_assignment=inprocess.rank_assignment.Tree(layers=_layers(inprocess, cfg, active)),
-        # The monitor process checks the timeouts only after a monitoring interval without any message from its
-        # rank: with the watchdog reporting as often as that (both 1 s by default) the checks were seen to wait ~30 s.
-        monitor_process_interval=seconds(seconds=MONITOR_INTERVAL_S),
-        progress_watchdog_interval=seconds(seconds=2 * MONITOR_INTERVAL_S),
+        monitor_thread_interval=seconds(seconds=cfg.monitor_thread_interval),
+        monitor_process_interval=seconds(seconds=cfg.monitor_process_interval),
+        progress_watchdog_interval=seconds(seconds=cfg.progress_watchdog_interval),
+        last_call_wait=seconds(seconds=cfg.last_call_wait),
+        termination_grace_time=seconds(seconds=cfg.termination_grace_time),
         soft_timeout=seconds(seconds=cfg.soft_timeout),
         hard_timeout=seconds(seconds=cfg.hard_timeout),
         heartbeat_interval=seconds(seconds=cfg.heartbeat_interval),

@@ -43,22 +43,25 @@ def build_optimizer(cfg: ConfigContainer, model: torch.nn.Module) -> Any:
 
 
 def build_scheduler(cfg: ConfigContainer, optimizer: Any) -> Any:
-    """Learning-rate schedule counted in samples, as megatron-core's ``OptimizerParamScheduler`` expects."""
+    """megatron-core's ``OptimizerParamScheduler``, counted in samples, with the lengths ``validate()`` computed."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    gbs = cfg.train.global_batch_size
-    decay_iters = cfg.scheduler.lr_decay_iters or cfg.train.train_iters
+    s = cfg.scheduler
     opt = optimizer_config(cfg)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=s.lr_warmup_init,
         max_lr=opt.lr,
         min_lr=opt.min_lr,
-        lr_warmup_steps=cfg.scheduler.lr_warmup_iters * gbs,
-        lr_decay_steps=decay_iters * gbs,
-        lr_decay_style=cfg.scheduler.lr_decay_style,
-        start_wd=opt.weight_decay,
-        end_wd=opt.weight_decay,
-        wd_incr_steps=decay_iters * gbs,
-        wd_incr_style="constant",
+        lr_warmup_steps=s.lr_warmup_steps,
+        lr_decay_steps=s.lr_decay_steps,
+        lr_decay_style=s.lr_decay_style,
+        start_wd=s.start_weight_decay if s.start_weight_decay is not None else opt.weight_decay,
+        end_wd=s.end_weight_decay if s.end_weight_decay is not None else opt.weight_decay,
+        wd_incr_steps=s.wd_incr_steps,
+        wd_incr_style=s.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+        wsd_decay_steps=s.wsd_decay_steps,
+        lr_wsd_decay_style=s.lr_wsd_decay_style,
     )

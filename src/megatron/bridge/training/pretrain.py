@@ -12,8 +12,14 @@ from typing import Optional, Union
 import torch.distributed as dist
 
 from megatron.bridge.training import fault_injection, fault_tolerance, job_info
-from megatron.bridge.training.callbacks import Callback, CallbackManager, fire_event, normalize_callbacks
-from megatron.bridge.training.checkpointing import CheckpointManager
+from megatron.bridge.training.callbacks import (
+    Callback,
+    CallbackManager,
+    fire_checkpoint_event,
+    fire_event,
+    normalize_callbacks,
+)
+from megatron.bridge.training.checkpointing import CheckpointManager, CheckpointType
 from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig, is_enabled
 from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.eval import evaluate
@@ -138,7 +144,11 @@ def _pretrain(
             summarize_earlier_attempts(attribution_dir, attempt)
         liveness.setup()
         straggler.initialize()
-        checkpoints = CheckpointManager(cfg.checkpoint, common_extra={GOODPUT_ENTRY: goodput.snapshot})
+        checkpoints = CheckpointManager(
+            cfg.checkpoint,
+            common_extra={GOODPUT_ENTRY: goodput.snapshot},
+            on_saved=functools.partial(fire_checkpoint_event, callbacks, "on_checkpoint_save", global_state),
+        )
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
         set_seeds(cfg.rng.seed)
         init_rerun_state(cfg)
@@ -151,8 +161,8 @@ def _pretrain(
         state.do_train = state.step < cfg.train.train_iters
         if checkpoints.resumed["tier"] is not None:
             fault_tolerance.on_checkpoint_loaded(checkpoints.resumed["tier"] == "local", global_state)
-        resumed_from = checkpoints.resumed["directory"]
-        fire_event(callbacks, "on_checkpoint_load_end", global_state, model, checkpoint_dir=resumed_from)
+            kind = CheckpointType(checkpoints.resumed["tier"])
+            fire_checkpoint_event(callbacks, "on_checkpoint_load", global_state, checkpoints.resumed["directory"], kind)
         fire_event(callbacks, "on_data_init_start", global_state, model, optimizer=optimizer, scheduler=scheduler)
         rerun.import_state(checkpoints.loaded_rank_extra)
         goodput.resume(
@@ -170,15 +180,17 @@ def _pretrain(
 
         from megatron.core import parallel_state
 
-        data_seed = cfg.dataset.seed if cfg.dataset.seed is not None else cfg.rng.seed
+        data_seed = cfg.dataset.random_seed
         stream = functools.partial(
             build_data_iterator,
-            vocab_size=cfg.model.vocab_size,
-            seq_length=cfg.model.seq_length,
+            vocab_size=cfg.tokenizer.vocab_size,
+            seq_length=cfg.dataset.sequence_length,
             micro_batch_size=cfg.train.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             num_workers=cfg.dataset.num_workers,
+            pin_memory=cfg.dataset.pin_memory,
+            persistent_workers=cfg.dataset.persistent_workers,
             worker_init_fn=(
                 functools.partial(ignore_in_worker, int(cfg.train.exit_signal))
                 if cfg.train.exit_signal_handler_for_dataloader

@@ -260,7 +260,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
         ctx.liveness.maybe_ping(ctx.state.step + 1)  # before any collective of the step, a save commit too
         with ctx.goodput.saving():
             ctx.checkpoints.finalize(blocking=False)
-        log_this_step = (ctx.state.step + 1) % cfg.logger.log_interval == 0
+        log_this_step = ctx.metrics.due(ctx.state.step + 1)
         _fire(ctx, "on_train_step_start")
         with ctx.straggler.step_section():
             metrics, loss_dict, verdict = train_step(
@@ -283,7 +283,8 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
             ctx.state.skipped_train_samples += cfg.train.global_batch_size
         if log_this_step:
             ctx.metrics.log_step(ctx.state.step, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
-            ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.step), ctx.state.step)
+            if ctx.metrics.console_due(ctx.state.step):
+                ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.step), ctx.state.step)
         straggler_stop = _straggler_stop(ctx)
         stop = exit_condition(ctx, straggler_stop)
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
@@ -311,9 +312,7 @@ def _save(ctx: TrainContext, save: Callable[..., None], **extra: Any) -> None:
     """One checkpoint save inside fault tolerance's ``checkpointing`` section, watched, counted by goodput."""
     fault_tolerance.on_checkpointing_start(ctx.global_state)
     ctx.hang_watch.open("checkpointing")
-    _fire(ctx, "on_checkpoint_save_start")
     with ctx.goodput.saving(ctx.state.step):
         save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, **extra)
-    _fire(ctx, "on_checkpoint_save_end")
     fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=ctx.global_state)
     ctx.hang_watch.close()

@@ -302,8 +302,10 @@ class LocalTier:
         async_save: bool,
         parallelization_group: Any,
         layout: str = "",
+        on_saved: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.layout = layout
+        self._on_saved = on_saved
         strategy = None
         if replication is not None:
             from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
@@ -368,6 +370,8 @@ class LocalTier:
 
     def _saved(self, iteration: int) -> None:
         self.last_saved_iteration = iteration
+        if self._on_saved is not None:
+            self._on_saved(iteration)
 
     def finalize(self, blocking: bool = False) -> None:
         """Finish an async save that completed on every rank (wait for it with ``blocking``)."""

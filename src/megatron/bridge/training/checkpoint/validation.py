@@ -9,14 +9,12 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from megatron.bridge.training.field_support import fail as _fail
+
 if TYPE_CHECKING:  # no import at run time: config.py runs these checks
     from megatron.bridge.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
-
-
-def _fail(field_name: str, problem: str, fix: str) -> None:
-    raise ValueError(f"{field_name}: {problem}. Fix: {fix}.")
 
 
 def validate_checkpoint(c: CheckpointConfig, world_size: int) -> None:
@@ -39,6 +37,24 @@ def _validate_global(c: CheckpointConfig) -> None:
             "checkpoint.most_recent_k",
             f"must be -1 (keep all) or >= 1, got {c.most_recent_k}",
             "use -1 or a positive count",
+        )
+    if c.async_save and c.async_strategy != "nvrx":
+        _fail(
+            "checkpoint.async_strategy",
+            f"{c.async_strategy!r} is not supported: asynchronous saves run on nvidia-resiliency-ext's queue",
+            'use "nvrx"',
+        )
+    if c.dist_ckpt_strictness.startswith("return_"):
+        _fail(
+            "checkpoint.dist_ckpt_strictness",
+            f"{c.dist_ckpt_strictness!r} hands the mismatched keys to the caller, and pretraining has no use for them",
+            'use "log_unexpected", "raise_all" or another mode that logs, raises or ignores',
+        )
+    if c.ckpt_step is not None and (c.load is None or c.ckpt_step < 0):
+        _fail(
+            "checkpoint.ckpt_step",
+            f"{c.ckpt_step} needs checkpoint.load and an iteration >= 0",
+            "set checkpoint.load to the directory holding iter_<ckpt_step>",
         )
     if c.exit_on_missing_checkpoint and c.load is None:
         _fail(
@@ -76,7 +92,7 @@ def _validate_local(c: CheckpointConfig, world_size: int) -> None:
                 f"set checkpoint.replication=true or leave checkpoint.{name} at its default",
             )
     kind = c.non_persistent_ckpt_type
-    if kind is None:
+    if kind is None or kind == "None":  # Megatron-Bridge spells "no local tier" both ways
         return
     if kind != "local":
         _fail(
@@ -101,12 +117,6 @@ def _validate_local(c: CheckpointConfig, world_size: int) -> None:
             "checkpoint.non_persistent_save_interval",
             f"must be >= 1, got {c.non_persistent_save_interval}",
             "set how often (in iterations) to save to the local tier",
-        )
-    if c.non_persistent_local_ckpt_algo not in ("fully_parallel", "atomic"):
-        _fail(
-            "checkpoint.non_persistent_local_ckpt_algo",
-            f"unknown algorithm {c.non_persistent_local_ckpt_algo!r}",
-            'use "fully_parallel" or "atomic"',
         )
     if c.load is None:
         _fail(

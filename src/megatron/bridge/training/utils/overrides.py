@@ -13,11 +13,11 @@ valid name for a typo, the expected type for a bad value).
 import ast
 import copy
 import dataclasses
-import difflib
 import enum
-import types
 import typing
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar
+
+from megatron.bridge.utils.fields import describe, hints, init_field_names, nearest, union_args
 
 T = TypeVar("T")
 
@@ -75,27 +75,19 @@ def _apply(root: Any, item: str) -> None:
         obj = child
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    """The field types of ``cls``; a field whose annotation cannot be resolved counts as ``Any``."""
-    try:
-        return typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001 - annotations naming names only a type checker imports
-        return {f.name: (f.type if not isinstance(f.type, str) else Any) for f in dataclasses.fields(cls)}
-
-
 def _field_hint(obj: Any, name: str, prefix: list[str], item: str) -> Any:
-    names = [f.name for f in dataclasses.fields(obj) if f.init and not f.name.startswith("_")]
+    names = init_field_names(obj)
     if name not in names:
         where = ".".join(prefix) or type(obj).__name__
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-        hint = f"; did you mean {'.'.join([*prefix, close[0]])}?" if close else f"; its fields: {', '.join(names)}"
+        close = nearest(name, names)
+        hint = f"; did you mean {'.'.join([*prefix, close])}?" if close else f"; its fields: {', '.join(names)}"
         raise ValueError(f"override {item!r}: {where} has no field {name!r}{hint}")
-    return _hints(type(obj)).get(name, Any)
+    return hints(type(obj)).get(name, Any)
 
 
 def _new_section(hint: Any, dotted: str, item: str) -> Any:
     """A section with its defaults, for an optional section that was ``None``."""
-    section = next((t for t in _union_args(hint) if dataclasses.is_dataclass(t)), None)
+    section = next((t for t in union_args(hint) if dataclasses.is_dataclass(t)), None)
     if section is None:
         raise ValueError(f"override {item!r}: {dotted} is a value, not a section; set it as {dotted}=<value>")
     try:
@@ -105,15 +97,9 @@ def _new_section(hint: Any, dotted: str, item: str) -> Any:
 
 
 def _reset(hint: Any, dotted: str, item: str) -> None:
-    if type(None) not in _union_args(hint) and hint is not Any:
-        raise ValueError(f"override {item!r}: {dotted} cannot be None (it is {_describe(hint)})")
+    if type(None) not in union_args(hint) and hint is not Any:
+        raise ValueError(f"override {item!r}: {dotted} cannot be None (it is {describe(hint)})")
     return None
-
-
-def _union_args(hint: Any) -> tuple:
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        return typing.get_args(hint)
-    return (hint,)
 
 
 def _parse(raw: str) -> Any:
@@ -144,7 +130,7 @@ def _convert(raw: str, parsed: Any, hint: Any) -> Any:
     """``parsed`` as a value of ``hint``; raises :class:`_Refused` with what was expected."""
     if hint is Any or isinstance(hint, (str, typing.TypeVar)):
         return parsed
-    options = _union_args(hint)
+    options = union_args(hint)
     if len(options) > 1:
         if parsed is None and type(None) in options:
             return None
@@ -155,7 +141,7 @@ def _convert(raw: str, parsed: Any, hint: Any) -> Any:
                 return _convert(raw, parsed, option)
             except _Refused:
                 continue
-        raise _Refused(_describe(hint))
+        raise _Refused(describe(hint))
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -194,7 +180,7 @@ def _convert(raw: str, parsed: Any, hint: Any) -> Any:
         return _dtype(raw.strip())
     if dataclasses.is_dataclass(hint):
         raise _Refused(f"its fields to be set one by one (e.g. <section>.{dataclasses.fields(hint)[0].name}=...)")
-    raise _Refused(f"{_describe(hint)}, which cannot be given on the command line: set it in Python")
+    raise _Refused(f"{describe(hint)}, which cannot be given on the command line: set it in Python")
 
 
 def _enum(cls: type, text: str, parsed: Any) -> Any:
@@ -218,12 +204,3 @@ def _dtype(text: str) -> Any:
     if name is None:
         raise _Refused(f"a dtype ({', '.join(sorted(set(_DTYPES)))})")
     return getattr(torch, name)
-
-
-def _describe(hint: Any) -> str:
-    if hint is type(None):
-        return "None"
-    options = _union_args(hint)
-    if len(options) > 1:
-        return " or ".join(_describe(o) for o in options)
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -1,0 +1,104 @@
+"""Dataset and data-loader configs in Megatron-Bridge's form: megatron-core's ``GPTDatasetConfig`` plus loader fields.
+
+``GPTDatasetConfig`` *is* megatron-core's dataset config (``random_seed``, ``sequence_length``, ``blend``,
+``split``, ``reset_position_ids``, ...) with the data-loader fields of :class:`DataloaderConfig` and the
+``seq_length`` spelling recipes use. As in Megatron-Bridge, megatron-core's checks run in :meth:`finalize`
+(``ConfigContainer.validate()`` calls it), not at construction, so dotted overrides can still change a recipe's
+dataset. :class:`MockGPTDatasetConfig` is the same without data files: deterministic synthetic token sequences.
+"""
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from megatron.bridge.utils.cpu_shims import before_megatron_core_import
+
+before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fused ops are imported
+
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig  # noqa: E402
+
+
+@dataclass(kw_only=True)
+class DataloaderConfig:
+    """How batches are loaded (``torch.utils.data.DataLoader`` settings)."""
+
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = None
+    """Sampler: ``"single"`` (one pass in order, resumable by sample count; ``None`` means it), ``"cyclic"``,
+    ``"batch"`` or ``"external"``."""
+    num_workers: int = 2
+    """Data-loader worker processes per rank (0 loads in the training process)."""
+    data_sharding: bool = True
+    """Each data-parallel rank reads its own share of every global batch."""
+    pin_memory: bool = True
+    """Copy batches into pinned memory (only where a GPU is present)."""
+    drop_last: bool = True
+    """Drop a last incomplete batch."""
+    persistent_workers: bool = True
+    """Keep workers alive between epochs (off when ``num_workers`` is 0)."""
+    trust_remote_code: Optional[bool] = None
+    """Run code shipped with a HuggingFace dataset."""
+
+
+@dataclass(init=False)
+class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
+    """megatron-core's GPT dataset config with data-loader fields; ``seq_length`` is ``sequence_length``."""
+
+    def __init__(self, seq_length: Optional[int] = None, **kwargs: Any) -> None:
+        if seq_length is not None:
+            if kwargs.get("sequence_length", seq_length) != seq_length:
+                raise TypeError(
+                    f"{type(self).__name__}: seq_length={seq_length} and sequence_length="
+                    f"{kwargs['sequence_length']} differ; give one of them"
+                )
+            kwargs["sequence_length"] = seq_length
+        names = [f.name for f in dataclasses.fields(self) if f.init]
+        unknown = [name for name in kwargs if name not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], [*names, "seq_length"], n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{type(self).__name__} has no field {unknown[0]!r}{hint}")
+        for f in dataclasses.fields(self):
+            if f.name in kwargs:
+                value = kwargs[f.name]
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                raise TypeError(f"{type(self).__name__}: missing required field {f.name!r}")
+            setattr(self, f.name, value)
+
+    @property
+    def seq_length(self) -> int:
+        """The sequence length (``sequence_length``; the spelling Megatron-Bridge recipes use)."""
+        return self.sequence_length
+
+    @seq_length.setter
+    def seq_length(self, value: int) -> None:
+        self.sequence_length = value
+
+    def finalize(self) -> None:
+        """megatron-core's checks of the blend and split (and ``mock`` when there is no data); needs no tokenizer.
+
+        megatron-core's GPT-specific post-init (which needs the built tokenizer) runs when the datasets are built.
+        """
+        BlendedMegatronDatasetConfig.__post_init__(self)
+        if self.num_workers == 0:
+            self.persistent_workers = False
+
+
+@dataclass(init=False)
+class MockGPTDatasetConfig(GPTDatasetConfig):
+    """Synthetic data: no ``blend``; every sample is a deterministic function of ``random_seed`` and its index."""
+
+    def finalize(self) -> None:
+        """Refuse data files (a mock dataset reads none), then run :meth:`GPTDatasetConfig.finalize`."""
+        for name in ("blend", "blend_per_split"):
+            if getattr(self, name) is not None:
+                raise TypeError(f"MockGPTDatasetConfig reads no data: {name} must be None (use GPTDatasetConfig)")
+        super().finalize()
+
+
+__all__ = ["DataloaderConfig", "GPTDatasetConfig", "MockGPTDatasetConfig"]

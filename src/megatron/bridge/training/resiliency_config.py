@@ -1,0 +1,218 @@
+"""The resiliency sections of ``ConfigContainer``: each names the failure it handles and the knobs of its handling.
+
+Megatron-Bridge's classes and fields (``FaultToleranceConfig``, ``NVRxStragglerDetectionConfig``,
+``InProcessRestartConfig``, ``RerunStateMachineConfig``, ``StragglerDetectionConfig``) plus this framework's own
+(``HealthConfig``, ``FaultInjectionConfig``, and the bounded re-run fields of ``RerunStateMachineConfig``). Import
+them from ``megatron.bridge.training.config``, as in Megatron-Bridge; they live here to keep that module short.
+"""
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megatron.bridge.utils.fields import named_fields
+
+
+@named_fields
+@dataclass
+class FaultToleranceConfig:
+    """Hang and crash detection through nvidia-resiliency-ext's rank monitor (needs ``ft_launcher``)."""
+
+    enable_ft_package: bool = False
+    """Enable fault tolerance (heartbeats and section timeouts to the ft_launcher rank monitor)."""
+    calc_ft_timeouts: bool = False
+    """Compute section timeouts from observed times and save them to ``ft_state.json``."""
+    simulate_fault: bool = False
+    """Inject a fault for testing: a timed fault of the fault-injection registry (``<kind>@<delay>s:<rank>``)."""
+    simulated_fault_type: Literal["rank_hung", "rank_killed", "random"] = "random"
+    """``"rank_hung"``, ``"rank_killed"`` or ``"random"``."""
+    simulated_fault_rank: Optional[int] = None
+    """Rank to fault; ``None`` picks one at random."""
+    simulated_fault_base_delay: float = 0
+    """Seconds after the rank starts training (its first iteration) before the simulated fault strikes."""
+
+
+@named_fields
+@dataclass
+class FaultInjectionConfig:
+    """Real faults on demand, for tests and drills (``training/fault_injection.py`` documents the spec)."""
+
+    faults: str = ""
+    """Comma-separated faults ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.
+    ``"kill@8:1,stall@6:1:save.during_write,nan@8:0:local_save"``; ``$MBRIDGE_FAULTS`` (for launcher-driven runs)
+    adds its faults to these. Empty: none."""
+    ledger: Optional[str] = None
+    """File shared by every attempt of the job: each fault strikes once per job, the first time any attempt reaches
+    it, and is recorded there (a JSON line with its wall-clock time) just before. ``None``: faults strike in the
+    first attempt only (unless ``:always``)."""
+
+
+@named_fields
+@dataclass
+class NVRxStragglerDetectionConfig:
+    """Straggler detection through nvidia-resiliency-ext's ``straggler.Detector``."""
+
+    enabled: bool = False
+    """Enable straggler detection."""
+    report_time_interval: float = 300.0
+    """Seconds between straggler reports."""
+    calc_relative_gpu_perf: bool = True
+    """Score ranks against each other."""
+    calc_individual_gpu_perf: bool = True
+    """Score each rank against its own history."""
+    num_gpu_perf_scores_to_print: int = 5
+    """Number of best and worst scores printed in each report."""
+    gpu_relative_perf_threshold: float = 0.7
+    """A relative score below this flags a straggler (0 < x <= 1)."""
+    gpu_individual_perf_threshold: float = 0.7
+    """An individual score below this flags a straggler (0 < x <= 1)."""
+    stop_if_detected: bool = False
+    """Save and stop all ranks when a straggler is flagged."""
+    enable_logging: bool = True
+    """Send score statistics to TensorBoard."""
+    logger_name: str = "megatron.bridge.NVRxStragglerDetection"
+    """Logger the reports are written to."""
+    profiling_interval: int = 1
+    """Time every n-th entry of each detection section (the step section once per step, the forward section once
+    per micro-batch); 1 times all of them."""
+
+
+@named_fields
+@dataclass
+class StragglerDetectionConfig:
+    """megatron-core's older ``StragglerDetector`` (Megatron-LM's ``--log-straggler``).
+
+    Not available in this framework: it is here so that a config carried over from Megatron-LM fails with a clear
+    message instead of an unknown-field error. Use :class:`NVRxStragglerDetectionConfig`.
+    """
+
+    log_straggler: bool = False
+    """Enable the legacy detector; only ``False`` is accepted (use ``nvrx_straggler.enabled``)."""
+    enable_straggler_on_startup: bool = True
+    """Start the legacy detector on start-up (no effect: it never runs here)."""
+    straggler_ctrlr_port: int = 65535
+    """Port of the legacy detector's on/off switch (no effect: it never runs here)."""
+    straggler_minmax_count: int = 1
+    """Number of fastest and slowest ranks the legacy detector reports (no effect: it never runs here)."""
+    disable_straggler_on_startup: bool = False
+    """Start the legacy detector switched off (no effect: it never runs here)."""
+
+
+def is_enabled(section: Optional[object], flag: str = "enabled") -> bool:
+    """Whether an optional section is set and switched on (``None`` is off).
+
+    Example: ``is_enabled(cfg.ft, "enable_ft_package")``.
+    """
+    return section is not None and bool(getattr(section, flag))
+
+
+INPROCESS_STORE_PORT_OFFSET = 2
+"""In-process restart's store listens on ``MASTER_PORT + 2`` (the launcher's store is on ``MASTER_PORT``)."""
+
+
+@named_fields
+@dataclass
+class InProcessRestartConfig:
+    """In-process restart through nvidia-resiliency-ext's ``inprocess.Wrapper`` (experimental).
+
+    Needs a launcher that sets ``MASTER_ADDR``/``MASTER_PORT`` (torchrun, ``megatron.bridge.launch``, ft_launcher or
+    srun with ``--kill-on-bad-exit=0``), the environment ``TORCH_CPP_LOG_LEVEL=error``,
+    ``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``, ``NCCL_NVLS_ENABLE=0``, and a free port at ``MASTER_PORT + 2`` (the
+    wrapper's store, hosted by rank 0).
+    """
+
+    enabled: bool = False
+    """Enable in-process restart."""
+    active_world_size: Optional[int] = None
+    """Ranks executing the workload; the rest are warm reserves that replace faulty ranks. ``None``: all ranks."""
+    granularity: Literal["node", "rank"] = "node"
+    """``"node"``: a fault retires every rank of the faulty rank's node; ``"rank"``: only that rank."""
+    max_iterations: Optional[int] = None
+    """Maximum in-process restarts (the training function runs at most this + 1 times); then the processes exit
+    with code 22 and an outer launcher may restart the job. ``None`` is unlimited."""
+    monitor_thread_interval: float = 1.0
+    """Seconds between checks of the wrapper's monitor thread (in the training process)."""
+    monitor_process_interval: float = 1.0
+    """Seconds between checks of the wrapper's monitor process."""
+    progress_watchdog_interval: float = 2.0
+    """Seconds between the automatic progress reports of the watchdog thread. Megatron-Bridge's default is 1.0; here
+    it is twice ``monitor_process_interval`` because with both at 1 s the monitor process was seen to check the
+    timeouts only every ~30 s (it checks after an interval without a message from its rank)."""
+    soft_timeout: float = 60.0
+    """Seconds without progress (a completed step or save) before a rank is declared hung and every rank restarts
+    in-process; catches hangs with the GIL released."""
+    hard_timeout: float = 90.0
+    """Seconds without progress before a hung rank is terminated (SIGTERM, then SIGKILL)."""
+    heartbeat_interval: float = 30.0
+    """Seconds between the monitor processes' heartbeats."""
+    heartbeat_timeout: float = 60.0
+    """Seconds of missing heartbeats before a rank is declared dead."""
+    barrier_timeout: float = 120.0
+    """Timeout of the barrier every rank passes before a restart."""
+    completion_timeout: float = 120.0
+    """Timeout of the barrier every rank passes when the training function returns."""
+    last_call_wait: float = 1.0
+    """Seconds to gather faults from other ranks before a restart starts."""
+    termination_grace_time: float = 1.0
+    """Seconds between SIGTERM and SIGKILL when a hung rank is terminated."""
+    empty_cuda_cache: bool = True
+    """Empty the CUDA cache before a restart (no effect without CUDA)."""
+    max_rank_faults: Optional[int] = None
+    """Faults a rank may cause before its health check fails and it is retired. ``None`` is unlimited."""
+    monitor_process_logdir: Optional[str] = None
+    """Directory for one monitor-process log per rank (``monitor_process_<rank>.log``); ``None`` logs nowhere."""
+
+
+@named_fields
+@dataclass
+class RerunStateMachineConfig:
+    """megatron-core's re-run state machine (experimental upstream) and the loss checks around it."""
+
+    rerun_mode: Literal["disabled", "validate_results", "report_determinism_stats"] = "disabled"
+    """``"disabled"`` (check the loss, never re-run), ``"validate_results"`` (re-run a step whose loss failed a
+    check to tell a transient fault from a reproducible one) or ``"report_determinism_stats"`` (re-run every step
+    once and report how much results differ)."""
+    check_for_nan_in_loss: bool = True
+    """Check every micro-batch loss for NaN/Inf. The decision is reduced across all ranks: every rank stops (or
+    skips the step) together."""
+    check_for_spiky_loss: bool = False
+    """Check for a loss far above the largest of the first 100 micro-batch losses (a warning; re-run when
+    ``validate_results``)."""
+    spiky_loss_factor: float = 10.0
+    """A loss above factor * max observed loss is flagged."""
+    max_consecutive_nan_skips: int = 0
+    """With ``rerun_mode="disabled"``: skip the optimizer step of a step whose loss is NaN/Inf (gradients dropped,
+    data consumed) up to this many steps in a row, then stop with exit 17. 0 stops at the first one."""
+    max_rerun_restarts: int = 3
+    """How many times a job may exit with 16 to re-run the same suspicious step from its checkpoint (each restart
+    that lands on the same device is one more). Past it, ``on_rerun_limit`` applies: never an endless loop."""
+    on_rerun_limit: Literal["stop", "fallback"] = "stop"
+    """``"stop"``: exit 17 and ask ft_launcher not to restart. ``"fallback"``: set the failing checkpoint aside
+    (renamed, never deleted), resume from the newest verified older one, once per failing step; then stop."""
+    error_injection_rate: int = 0
+    """Tests and drills: make megatron-core's error injector fail about one validated result in this many (0 =
+    off). Affects the python random stream, so runs with it are not bit-comparable to runs without."""
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = "transient_error"
+    """What the injected failure turns out to be: ``"transient_error"``, ``"persistent_error"`` or
+    ``"correct_result"``."""
+    result_rejected_tracker_filename: Optional[str] = None
+    """File that megatron-core appends one line to for every rejected result (None = no file)."""
+
+
+@named_fields
+@dataclass
+class HealthConfig:
+    """Liveness ping, device health checks and hang attribution (stacks of a stuck rank written before it is killed)."""
+
+    liveness_ping_interval: int = 0
+    """Every this many steps, all ranks join a one-element all-reduce on a side group with a real timeout, so that a
+    dead or stuck peer is reported by rank (after at most ``liveness_ping_timeout`` seconds, exit 24) instead of the
+    next large collective waiting for ``dist.distributed_timeout_minutes``. 0 turns it off."""
+    liveness_ping_timeout: float = 60.0
+    """Seconds the liveness ping waits for every rank; keep it above the longest step-to-step skew between ranks
+    (a save on one rank delays its next ping)."""
+    stack_dump_after: Optional[float] = None
+    """Seconds a step or a save may stay open before this rank writes every thread's Python stack to its attribution
+    file (``<checkpoint.save>/attribution/<attempt>/rank<N>.stacks``), so a hang leaves a record of where each rank
+    was before a timeout kills it. ``None``: the earliest of half the ft section timeout, half of
+    ``inprocess_restart.soft_timeout`` and, for a step, half of ``liveness_ping_timeout`` past the last step's length;
+    off when none applies. 0: off."""

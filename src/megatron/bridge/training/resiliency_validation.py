@@ -1,0 +1,307 @@
+"""The checks behind :meth:`ConfigContainer.validate` for the resiliency sections (``resiliency_config.py``).
+
+Fault tolerance, straggler detection, the re-run state machine, in-process restart, health checks and fault
+injection: each failure is a ``ValueError`` naming the field and the fix (``field_support.fail``). Called by
+``config_validation.validate_config``; imports nothing from ``config.py`` at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from megatron.bridge.training import fault_injection
+from megatron.bridge.training.field_support import fail as _fail
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.config import ConfigContainer, FaultToleranceConfig
+
+logger = logging.getLogger(__name__)
+
+
+def validate_resiliency(cfg: ConfigContainer, world_size: int, store_port_offset: int) -> None:
+    """Check every resiliency section of ``cfg`` (its ``None`` sections already replaced by their defaults)."""
+    _validate_fault_tolerance(cfg.ft, world_size)
+    _validate_straggler(cfg)
+    _validate_rerun(cfg)
+    _validate_inprocess_restart(cfg, world_size, store_port_offset)
+    _validate_health(cfg)
+    _validate_fault_injection(cfg, world_size)
+
+
+def _validate_fault_tolerance(ft: FaultToleranceConfig, world_size: int) -> None:
+    if ft.enable_ft_package and not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
+        _fail(
+            "ft.enable_ft_package",
+            "no rank monitor to report to ($FT_RANK_MONITOR_IPC_SOCKET is unset): this process was not started by "
+            "ft_launcher, and under torchrun fault tolerance would silently do nothing",
+            "launch with ft_launcher (same arguments as torchrun plus --ft-rank-section-timeouts=setup:600,"
+            "step:180,checkpointing:420 --ft-rank-out-of-section-timeout=300), or set ft.enable_ft_package=false",
+        )
+    if ft.simulate_fault and not ft.enable_ft_package:
+        _fail("ft.simulate_fault", "needs fault tolerance to detect the fault", "also set ft.enable_ft_package=true")
+    if ft.simulated_fault_rank is not None and not 0 <= ft.simulated_fault_rank < world_size:
+        _fail(
+            "ft.simulated_fault_rank",
+            f"{ft.simulated_fault_rank} is not a rank of a world of {world_size}",
+            f"use 0..{world_size - 1} or null for a random rank",
+        )
+    if ft.simulated_fault_base_delay < 0:
+        _fail(
+            "ft.simulated_fault_base_delay",
+            f"must be >= 0, got {ft.simulated_fault_base_delay}",
+            "use a delay in seconds",
+        )
+
+
+def _validate_straggler(cfg: ConfigContainer) -> None:
+    s = cfg.nvrx_straggler
+    if cfg.straggler.log_straggler:
+        if s.enabled:
+            _fail(
+                "straggler.log_straggler",
+                "two straggler detectors are enabled (the legacy one and nvrx_straggler); they time the same steps "
+                "and would report twice",
+                "enable only one: set straggler.log_straggler=false and keep nvrx_straggler.enabled=true",
+            )
+        _fail(
+            "straggler.log_straggler",
+            "the legacy megatron-core straggler detector is not available in megatron.bridge",
+            "set straggler.log_straggler=false and nvrx_straggler.enabled=true",
+        )
+    if not s.enabled:
+        return
+    if not (s.calc_relative_gpu_perf or s.calc_individual_gpu_perf):
+        _fail(
+            "nvrx_straggler.calc_relative_gpu_perf",
+            "both score kinds are off (and nvrx_straggler.calc_individual_gpu_perf), so nothing would be detected",
+            "set nvrx_straggler.calc_relative_gpu_perf=true or nvrx_straggler.calc_individual_gpu_perf=true",
+        )
+    for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+        value = getattr(s, name)
+        if not 0.0 < value <= 1.0:
+            _fail(
+                f"nvrx_straggler.{name}",
+                f"must be in (0, 1], got {value} (a score is this rank's speed over the reference speed)",
+                "use e.g. 0.7 to flag ranks more than ~1.4x slower",
+            )
+    if s.report_time_interval <= 0:
+        _fail(
+            "nvrx_straggler.report_time_interval",
+            f"must be > 0 seconds, got {s.report_time_interval}",
+            "use e.g. 300",
+        )
+    if s.profiling_interval < 1:
+        _fail(
+            "nvrx_straggler.profiling_interval", f"must be >= 1, got {s.profiling_interval}", "use 1 to time every step"
+        )
+    if s.num_gpu_perf_scores_to_print < 0:
+        _fail(
+            "nvrx_straggler.num_gpu_perf_scores_to_print",
+            f"must be >= 0, got {s.num_gpu_perf_scores_to_print}",
+            "use e.g. 5",
+        )
+    if s.stop_if_detected and cfg.checkpoint.save is None:
+        logger.warning(
+            "nvrx_straggler.stop_if_detected is on but checkpoint.save is not set: a straggler stops the run "
+            "without a checkpoint, and the steps since the last one are lost. Set checkpoint.save to keep them."
+        )
+
+
+def _validate_rerun(cfg: ConfigContainer) -> None:
+    r = cfg.rerun_state_machine
+    if r.spiky_loss_factor <= 1.0:
+        _fail(
+            "rerun_state_machine.spiky_loss_factor",
+            f"{r.spiky_loss_factor} would flag ordinary losses (a loss is spiky above factor x the largest seen)",
+            "use a factor above 1, e.g. 10 (larger for large models)",
+        )
+    for name in ("max_consecutive_nan_skips", "error_injection_rate"):
+        if getattr(r, name) < 0:
+            _fail(f"rerun_state_machine.{name}", f"{getattr(r, name)} is negative", "use 0 or more")
+    if r.max_rerun_restarts < 1:
+        _fail(
+            "rerun_state_machine.max_rerun_restarts",
+            f"{r.max_rerun_restarts} would stop before the diagnostic checkpoint of a failing step is saved",
+            "use 1 or more (the first exit 16 saves it)",
+        )
+    if r.max_consecutive_nan_skips > 0 and (r.rerun_mode != "disabled" or not r.check_for_nan_in_loss):
+        _fail(
+            "rerun_state_machine.max_consecutive_nan_skips",
+            "skipping NaN steps needs rerun_mode=disabled and check_for_nan_in_loss=true (with the re-run state "
+            "machine on, it decides what a NaN means)",
+            "set rerun_state_machine.max_consecutive_nan_skips=0, or rerun_mode=disabled",
+        )
+    if r.rerun_mode == "validate_results":
+        c = cfg.checkpoint
+        if c.save is None or c.load is None or os.path.abspath(c.save) != os.path.abspath(c.load):
+            _fail(
+                "rerun_state_machine.rerun_mode",
+                "validate_results saves a checkpoint at a step whose result reproducibly failed a check and re-runs "
+                "that step from it after a restart, so checkpoint.save and checkpoint.load must name one directory "
+                f"(save={c.save}, load={c.load})",
+                "set checkpoint.save and checkpoint.load to the same directory, or use rerun_mode=disabled",
+            )
+        if not (r.check_for_nan_in_loss or r.check_for_spiky_loss):
+            logger.warning(
+                "rerun_state_machine.rerun_mode=validate_results with both loss checks off: nothing is validated; "
+                "set check_for_nan_in_loss=true or check_for_spiky_loss=true"
+            )
+    if r.rerun_mode != "disabled":
+        logger.warning(
+            "rerun_state_machine.rerun_mode=%s: megatron-core's re-run state machine is experimental upstream%s",
+            r.rerun_mode,
+            "; every step runs twice" if r.rerun_mode == "report_determinism_stats" else "",
+        )
+
+
+# The environment in-process restart needs (see docs/training/resiliency.md).
+_INPROCESS_ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_port_offset: int) -> None:
+    ipr = cfg.inprocess_restart
+    if not ipr.enabled:
+        return
+    p = "inprocess_restart"
+    if ipr.active_world_size is not None and not 1 <= ipr.active_world_size <= world_size:
+        _fail(
+            f"{p}.active_world_size",
+            f"{ipr.active_world_size} is not between 1 and the world size {world_size}",
+            f"use a value in [1, {world_size}] (ranks above it wait as reserves) or leave it unset",
+        )
+    for name in ("max_iterations", "max_rank_faults"):
+        if getattr(ipr, name) is not None and getattr(ipr, name) < 0:
+            _fail(f"{p}.{name}", f"{getattr(ipr, name)} is negative", "use 0 or more, or None for no limit")
+    intervals = ("monitor_thread_interval", "monitor_process_interval", "progress_watchdog_interval")
+    timeouts = ("soft_timeout", "hard_timeout", "heartbeat_interval", "heartbeat_timeout", "barrier_timeout")
+    for name in (*intervals, *timeouts, "completion_timeout", "last_call_wait", "termination_grace_time"):
+        if getattr(ipr, name) <= 0:
+            _fail(f"{p}.{name}", f"must be > 0 seconds, got {getattr(ipr, name)}", "use a positive number of seconds")
+    ordered = [
+        ("soft_timeout", "hard_timeout", "a hung rank is first aborted (soft), then terminated (hard)"),
+        ("hard_timeout", "barrier_timeout", "ranks wait at the restart barrier for a hung rank to be terminated"),
+        ("hard_timeout", "completion_timeout", "ranks wait at the completion barrier for a hung rank to be terminated"),
+        ("heartbeat_interval", "heartbeat_timeout", "a missing rank is detected after several missed heartbeats"),
+        ("heartbeat_timeout", "barrier_timeout", "a dead rank must be detected before the barrier gives up"),
+    ]
+    for lower, upper, why in ordered:
+        if not getattr(ipr, lower) < getattr(ipr, upper):
+            _fail(
+                f"{p}.{lower}",
+                f"{getattr(ipr, lower)} s must be < {p}.{upper}={getattr(ipr, upper)} s ({why})",
+                f"lower {lower} or raise {upper}",
+            )
+    longest = max(intervals, key=lambda name: getattr(ipr, name))
+    for name in ("soft_timeout", "heartbeat_timeout"):
+        if getattr(ipr, name) <= getattr(ipr, longest):
+            _fail(
+                f"{p}.{name}",
+                f"{getattr(ipr, name)} s is not above the wrapper's longest monitoring interval "
+                f"({p}.{longest}={getattr(ipr, longest)} s)",
+                "use a few seconds or more",
+            )
+    if cfg.dist.distributed_timeout_minutes * 60 <= ipr.hard_timeout:
+        _fail(
+            "dist.distributed_timeout_minutes",
+            f"{cfg.dist.distributed_timeout_minutes} min is not above {p}.hard_timeout={ipr.hard_timeout} s: the "
+            "collective watchdog would kill the process before in-process restart could recover it",
+            f"raise it above {ipr.hard_timeout / 60:.1f} min or lower {p}.hard_timeout",
+        )
+    missing = {k: v for k, v in _INPROCESS_ENV.items() if os.environ.get(k) != v}
+    if missing:
+        _fail(
+            f"{p}.enabled",
+            "in-process restart needs the environment "
+            + ", ".join(f"{k}={v}" for k, v in _INPROCESS_ENV.items())
+            + " (quiet c10d logs on abort, NCCL errors that do not kill the process, NVLink SHARP off); not set: "
+            + ", ".join(f"{k} (is {os.environ.get(k)!r})" for k in missing),
+            "export " + " ".join(f"{k}={v}" for k, v in missing.items()) + " in the job script before launching",
+        )
+    if "MASTER_ADDR" not in os.environ or not os.environ.get("MASTER_PORT", "").isdigit():
+        _fail(
+            f"{p}.enabled",
+            "needs MASTER_ADDR and MASTER_PORT (the rendezvous store; the wrapper's store listens on MASTER_PORT + "
+            f"{store_port_offset})",
+            "launch with torchrun, python -m megatron.bridge.launch or ft_launcher, or export both",
+        )
+    if int(os.environ["MASTER_PORT"]) + store_port_offset > 65535:
+        _fail(f"{p}.enabled", f"MASTER_PORT + {store_port_offset} is not a port", "use a lower MASTER_PORT")
+    if ipr.granularity == "node" and not os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        _fail(
+            f"{p}.granularity",
+            '"node" groups ranks by host and needs LOCAL_WORLD_SIZE (ranks per node), which is not set',
+            'launch with torchrun/megatron.bridge.launch/ft_launcher (they set it), or use granularity "rank"',
+        )
+    if cfg.train.exit_signal_handler:
+        _fail(
+            "train.exit_signal_handler",
+            "cannot be combined with in-process restart (the preemption path, e.g. NeMo-Run's PreemptionPlugin): the "
+            "wrapper terminates hung ranks with SIGTERM, which the handler would take for a preemption and save on",
+            "set train.exit_signal_handler=false, or inprocess_restart.enabled=false to use preemption handling",
+        )
+    if cfg.ft.enable_ft_package:
+        _fail(
+            "ft.enable_ft_package",
+            "cannot be combined with in-process restart in this version: FT's section timers would see the "
+            "in-process restart as a hang and restart the job under it",
+            "set ft.enable_ft_package=false and launch under ft_launcher (--max-restarts) to keep in-job restart as "
+            "the fallback when in-process restart gives up",
+        )
+
+
+def _validate_health(cfg: ConfigContainer) -> None:
+    h = cfg.health
+    if h.liveness_ping_interval < 0:
+        _fail(
+            "health.liveness_ping_interval",
+            f"must be >= 0, got {h.liveness_ping_interval}",
+            "use 0 (off) or a number of steps between pings",
+        )
+    if h.stack_dump_after is not None and h.stack_dump_after < 0:
+        _fail(
+            "health.stack_dump_after",
+            f"must be >= 0 seconds, got {h.stack_dump_after}",
+            "use a number of seconds, 0 (off) or null (half the shortest hang timeout)",
+        )
+    if h.liveness_ping_interval == 0:
+        return
+    if h.liveness_ping_timeout <= 0:
+        _fail(
+            "health.liveness_ping_timeout",
+            f"must be > 0 seconds, got {h.liveness_ping_timeout}",
+            "use a positive number of seconds",
+        )
+    if h.liveness_ping_timeout >= cfg.dist.distributed_timeout_minutes * 60:
+        _fail(
+            "health.liveness_ping_timeout",
+            f"{h.liveness_ping_timeout} s is not below dist.distributed_timeout_minutes="
+            f"{cfg.dist.distributed_timeout_minutes} min: a lost rank would hit the collectives' own timeout first",
+            "lower health.liveness_ping_timeout (seconds to a minute is typical)",
+        )
+    if cfg.inprocess_restart.enabled:
+        _fail(
+            "health.liveness_ping_interval",
+            "cannot be combined with in-process restart, which already watches every rank (heartbeats, "
+            "inprocess_restart.soft_timeout) and restarts in place; the ping would turn that restart into an exit 24",
+            "set health.liveness_ping_interval=0 with inprocess_restart.enabled=true",
+        )
+
+
+def _validate_fault_injection(cfg: ConfigContainer, world_size: int) -> None:
+    sources = {
+        "fault_injection.faults": cfg.fault_injection.faults or "",
+        fault_injection.ENV: os.environ.get(fault_injection.ENV, ""),
+    }
+    for source, spec in sources.items():
+        for fault in fault_injection.parse(spec, source):  # a malformed item: a ValueError naming it and the form
+            if fault.rank >= world_size:
+                _fail(
+                    source,
+                    f"{fault} names rank {fault.rank}, not a rank of a world of {world_size}",
+                    f"use a rank in 0..{world_size - 1}",
+                )
+    ledger = cfg.fault_injection.ledger
+    if ledger and not os.path.isdir(os.path.dirname(os.path.abspath(ledger))):
+        _fail("fault_injection.ledger", f"the directory of {ledger} does not exist", "create it or use another path")

@@ -1,0 +1,65 @@
+"""``TokenizerConfig``: which tokenizer turns text into the token ids the model sees.
+
+Megatron-Bridge's field names and defaults. This framework trains on mock token streams, so the one tokenizer
+it builds is ``NullTokenizer`` (ids ``0 .. vocab_size - 1``, no text); ``validate()`` refuses the others by name
+rather than ignoring them. Nothing is ever downloaded.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+TokenizerType = Literal[
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+    "MultimodalTokenizer",
+    "NullMultimodalTokenizer",
+    "NullTokenizer",
+    "SFTTokenizer",
+]
+
+
+@dataclass
+class TokenizerConfig:
+    """The tokenizer and its vocabulary."""
+
+    metadata_path: Optional[Union[str, dict]] = None
+    """A tokenizer metadata file, or the metadata itself."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size before padding; ``NullTokenizer`` needs it. The model's ``vocab_size`` defaults to it."""
+    vocab_file: Optional[str] = None
+    """Vocabulary file of a BPE or WordPiece tokenizer."""
+    merge_file: Optional[str] = None
+    """Merges file of a BPE tokenizer."""
+    vocab_extra_ids: int = 0
+    """Extra sentinel tokens (T5-style)."""
+    tokenizer_type: Optional[TokenizerType] = None
+    """The tokenizer; ``"NullTokenizer"`` is the one this framework builds."""
+    tokenizer_model: Optional[Union[str, Path]] = None
+    """A SentencePiece model file, or a HuggingFace tokenizer's local path."""
+    special_tokens: Optional[list[str]] = None
+    """Special tokens to add."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template."""
+    tiktoken_pattern: Optional[str] = None
+    """Tiktoken's split pattern (``"v1"`` or ``"v2"``)."""
+    tiktoken_num_special_tokens: int = 1000
+    """Number of tiktoken special tokens."""
+    tiktoken_special_tokens: Optional[list[str]] = None
+    """Tiktoken's special tokens."""
+    tokenizer_prompt_format: Optional[str] = None
+    """Prompt format of a multimodal or SFT tokenizer."""
+    image_tag_type: Optional[str] = None
+    """Image tag style of a multimodal tokenizer."""
+    force_system_message: Optional[bool] = False
+    """Always insert a system message (chat tokenizers)."""
+    hf_tokenizer_kwargs: Optional[dict[str, Any]] = field(default_factory=dict)
+    """More keyword arguments for a HuggingFace tokenizer."""
+    sp_tokenizer_kwargs: Optional[dict[str, Any]] = field(default_factory=dict)
+    """More keyword arguments for a SentencePiece tokenizer."""

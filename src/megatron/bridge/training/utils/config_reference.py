@@ -1,0 +1,169 @@
+"""The field reference: every field of every ``ConfigContainer`` section, its type, default and status, as markdown.
+
+``python -m megatron.bridge.training.utils.config_reference [PATH]`` rewrites the generated part of
+``docs/training/config-reference.md`` (between the two markers); a unit test checks that the committed page is what
+this renders, so the page cannot drift from the code. A field's status comes from ``field_support.py``: honoured,
+refused unless left at its default, or accepted without effect (it configures only a refused feature).
+"""
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron.bridge.training import field_support
+from megatron.bridge.utils.fields import describe, hints, union_args
+
+BEGIN = "<!-- BEGIN GENERATED: python -m megatron.bridge.training.utils.config_reference -->"
+END = "<!-- END GENERATED -->"
+
+MEGATRON_CORE_SECTIONS = {
+    "model": (
+        "megatron-core's `TransformerConfig` (as `GPTModelProvider`)",
+        "megatron-core's own checks run at `validate()`. Refused: `pipeline_model_parallel_size` other than 1, "
+        "`fp16`, and bfloat16 (`bf16`, `params_dtype`) without CUDA.",
+    ),
+    "optimizer": (
+        "megatron-core's `OptimizerConfig`",
+        "megatron-core's own checks run at `validate()`. Refused: `optimizer` other than adam/sgd, "
+        "`use_distributed_optimizer`, and a precision that differs from the model's.",
+    ),
+    "ddp": (
+        "megatron-core's `DistributedDataParallelConfig`",
+        "Passed to megatron-core's DDP as it is. Refused: `use_distributed_optimizer`.",
+    ),
+}
+"""Sections that are megatron-core classes: every field goes to megatron-core; only the listed values are refused."""
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring under each annotated field of ``cls`` and its bases (the nearest class wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, after in zip(body, body[1:]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                    docs[stmt.target.id] = str(after.value.value)
+    return docs
+
+
+def _first_sentence(text: str) -> str:
+    flat = " ".join(text.split())
+    end = flat.find(". ")
+    return flat if end < 0 else flat[: end + 1]
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.name == "local_rank":
+        return "`$LOCAL_RANK` or 0"
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        if dataclasses.is_dataclass(value):
+            return f"`{type(value).__name__}()`"
+        if type(value).__module__.startswith("megatron.core"):
+            return f"`{type(value).__name__}()`"
+    else:
+        return "required"
+    text = value.name if hasattr(value, "name") and type(value).__module__ == "signal" else repr(value)
+    return f"`{text}`"
+
+
+def _status(dotted: str, f: dataclasses.Field) -> str:
+    if dotted in field_support.REFUSED:
+        return f"refused unless {_default(f)}: {field_support.REFUSED[dotted]}"
+    if dotted in field_support.INERT:
+        return f"accepted, no effect: {field_support.INERT[dotted]}"
+    return "honoured"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _table(name: str, cls: type, note: Optional[str] = None) -> list[str]:
+    docs, types = _attribute_docs(cls), hints(cls)
+    lines = [f"## `{name}`: `{cls.__name__}`", ""]
+    if note:
+        lines += [note, ""]
+    lines += ["| field | type | default | status | meaning |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name.startswith("_"):
+            continue
+        dotted = f"{name}.{f.name}"
+        lines.append(
+            "| "
+            + " | ".join(
+                _cell(cell)
+                for cell in (
+                    f"`{f.name}`",
+                    describe(types.get(f.name, Any)),
+                    _default(f),
+                    _status(dotted, f),
+                    _first_sentence(docs.get(f.name, "")),
+                )
+            )
+            + " |"
+        )
+    return [*lines, ""]
+
+
+def render() -> str:
+    """The generated part of the reference page (without the markers)."""
+    from megatron.bridge.data.config import MockGPTDatasetConfig
+    from megatron.bridge.training.config import ConfigContainer
+
+    lines: list[str] = []
+    for f in dataclasses.fields(ConfigContainer):
+        if f.name in MEGATRON_CORE_SECTIONS:
+            what, note = MEGATRON_CORE_SECTIONS[f.name]
+            lines += [f"## `{f.name}`: {what}", "", note, ""]
+        elif f.name == "dataset":
+            note = (
+                "`MockGPTDatasetConfig` (shown) and `GPTDatasetConfig` are megatron-core's `GPTDatasetConfig` with "
+                "the data-loader fields of `DataloaderConfig`; `seq_length` is accepted for `sequence_length`. "
+                "Data files (`blend`, `blend_per_split`) are refused until real data is supported."
+            )
+            lines += _table(f.name, MockGPTDatasetConfig, note)
+        elif f.name in field_support.REFUSED:
+            lines += [f"## `{f.name}`", "", f"Refused unless `None`: {field_support.REFUSED[f.name]}.", ""]
+        else:
+            section = f.type if isinstance(f.type, type) else _optional_section(f)
+            lines += _table(f.name, section, "`None` (the default) is off." if section is not f.type else None)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _optional_section(f: dataclasses.Field) -> type:
+    """The dataclass inside an ``Optional[...]`` section annotation."""
+    return next(t for t in union_args(f.type) if dataclasses.is_dataclass(t))
+
+
+def rewrite(path: Path) -> bool:
+    """Replace the generated part of ``path``; return whether it changed."""
+    text = path.read_text()
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    new = f"{head}{BEGIN}\n\n{render()}\n{END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def generated_part(path: Path) -> str:
+    """What stands between the markers of ``path`` now."""
+    _, _, rest = path.read_text().partition(BEGIN)
+    return rest.partition(END)[0].strip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/training/config-reference.md")
+    print(f"{target}: {'rewritten' if rewrite(target) else 'up to date'}")

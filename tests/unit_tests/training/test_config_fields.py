@@ -1,0 +1,209 @@
+"""Megatron-Bridge's config sections: misspelt, mistyped, refused and derived fields; the field reference."""
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from tests.unit_tests.configs import base_config
+
+from megatron.bridge.training import field_support
+from megatron.bridge.training.config import (
+    CheckpointConfig,
+    MockGPTDatasetConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    _with_sections,
+)
+from megatron.bridge.training.optimizer import build_scheduler
+from megatron.bridge.training.utils import config_reference
+from megatron.bridge.training.utils.overrides import apply_overrides
+
+REFERENCE = Path(__file__).resolve().parents[3] / "docs" / "training" / "config-reference.md"
+
+
+def _rejected(cfg, *fragments, world_size=2):
+    with pytest.raises(ValueError) as err:
+        cfg.validate(world_size=world_size)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+    return str(err.value)
+
+
+def test_a_misspelt_keyword_names_the_nearest_field():
+    with pytest.raises(TypeError, match="TrainingConfig has no field 'trian_iters'; did you mean 'train_iters'"):
+        TrainingConfig(trian_iters=5)
+    with pytest.raises(TypeError, match="did you mean 'save_interval'"):
+        CheckpointConfig(save_intervall=5)
+    with pytest.raises(TypeError, match="has no field 'seq_lenght'; did you mean 'seq_length'"):
+        MockGPTDatasetConfig(seq_lenght=32, random_seed=1)
+
+
+def test_a_misspelt_attribute_and_a_mistyped_value_are_refused_by_name():
+    cfg = base_config()
+    cfg.train.trian_iters = 5
+    _rejected(cfg, "train.trian_iters: is not a field of TrainingConfig", "did you mean train.train_iters?")
+    cfg = base_config()
+    cfg.train.train_iters = "10"
+    _rejected(cfg, "train.train_iters: expects int or None, got '10' (str)")
+    cfg = base_config()
+    cfg.scheduler.lr_decay_style = "step"
+    _rejected(cfg, "scheduler.lr_decay_style: expects one of 'constant', 'linear', 'cosine'")
+    cfg = base_config()
+    cfg.train = SchedulerConfig()
+    _rejected(cfg, "train: expects TrainingConfig, got SchedulerConfig")
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("logger.wandb_project=demo", "logger.wandb_project: 'demo' is not supported here (Weights & Biases"),
+        ("checkpoint.save_optim=False", "checkpoint.save_optim: False is not supported here"),
+        ("dist.use_torch_fsdp2=True", "dist.use_torch_fsdp2: True is not supported here (FSDP"),
+        ("profiling.use_pytorch_profiler=True", "profiling.use_pytorch_profiler"),
+        ("train.manual_gc=True", "train.manual_gc"),
+        ("rng.te_rng_tracker=True", "rng.te_rng_tracker"),
+        ("mixed_precision=bf16_mixed", "mixed_precision: 'bf16_mixed' is not supported here"),
+    ],
+)
+def test_a_field_that_cannot_be_honoured_is_refused_unless_at_its_default(override, fragment):
+    message = _rejected(apply_overrides(base_config(), [override]), fragment)
+    assert "Fix: leave it at its default" in message
+
+
+def test_every_listed_field_exists_and_inert_fields_are_accepted():
+    cfg = _with_sections(base_config())  # optional sections at their defaults instead of None
+    for dotted in [*field_support.REFUSED, *field_support.INERT]:
+        section_name, _, name = dotted.rpartition(".")
+        section = getattr(cfg, section_name) if section_name else cfg
+        assert name in {f.name for f in dataclasses.fields(section)}, dotted
+    assert not set(field_support.REFUSED) & set(field_support.INERT)
+    cfg = apply_overrides(base_config(), ["profiling.profile_step_start=3", "tokenizer.vocab_file=/nowhere"])
+    cfg.validate(world_size=2)
+
+
+def test_batch_size_and_length_are_derived_as_upstream_does():
+    cfg = base_config()
+    cfg.train = TrainingConfig(micro_batch_size=2, train_samples=100)
+    cfg.validate(world_size=2)
+    assert (cfg.train.global_batch_size, cfg.train.train_iters) == (4, 25)  # 2 per replica, 2 replicas
+    cfg.validate(world_size=1)  # derived values follow a new world size; nothing is stuck from the first call
+    assert (cfg.train.global_batch_size, cfg.train.train_iters) == (2, 50)
+    cfg = base_config()
+    cfg.train.train_samples = 64
+    _rejected(cfg, "train.train_samples: and train.train_iters are both set")
+    cfg = base_config()
+    cfg.train = TrainingConfig(global_batch_size=8)
+    _rejected(cfg, "train.micro_batch_size: must be >= 1, got None")
+    cfg = base_config()
+    cfg.train = TrainingConfig(micro_batch_size=2)
+    _rejected(cfg, "train.train_iters: must be >= 1, got None")
+
+
+def test_deprecated_train_evaluation_fields_move_to_validation_with_a_warning():
+    cfg = base_config()
+    cfg.train.eval_interval, cfg.train.eval_iters = 5, 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg.validate(world_size=2)
+    assert (cfg.validation.eval_interval, cfg.validation.eval_iters) == (5, 3)
+    assert any("train.eval_interval is deprecated: use validation.eval_interval" in str(w.message) for w in caught)
+
+
+def test_scheduler_lengths_are_computed_in_samples_and_build_megatron_cores_schedule():
+    cfg = base_config()  # 100 steps of 8 samples
+    cfg.scheduler = SchedulerConfig(lr_decay_style="linear", lr_warmup_iters=10, lr_warmup_init=1e-4)
+    cfg.validate(world_size=2)
+    s = cfg.scheduler
+    assert (s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps, s.wsd_decay_steps) == (80, 800, 800, None)
+    optimizer = type("Opt", (), {"param_groups": [{"params": [torch.zeros(1)]}]})()
+    scheduler = build_scheduler(cfg, optimizer)
+    assert scheduler.get_lr(optimizer.param_groups[0]) == pytest.approx(1e-4)  # the warmup starts at its init
+    scheduler.step(increment=80)
+    assert scheduler.get_lr(optimizer.param_groups[0]) == pytest.approx(1e-3)  # peak after 10 steps of 8
+    scheduler.step(increment=720)
+    assert scheduler.get_lr(optimizer.param_groups[0]) == pytest.approx(1e-5)  # min_lr at the end
+
+    cfg.scheduler = SchedulerConfig(lr_warmup_fraction=0.25)
+    cfg.validate(world_size=2)
+    assert cfg.scheduler.lr_warmup_steps == 200
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"lr_warmup_fraction": 0.1, "lr_warmup_iters": 2}, "scheduler.lr_warmup_fraction: is set with"),
+        ({"lr_decay_samples": 400, "lr_warmup_iters": 2}, "scheduler.lr_decay_samples: mixes samples"),
+        ({"lr_decay_style": "WSD"}, "scheduler.lr_wsd_decay_iters: a WSD schedule needs"),
+        ({"override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": True}, "are both set"),
+        ({"start_weight_decay": 0.1, "end_weight_decay": 0.01}, "scheduler.end_weight_decay"),
+        ({"lr_warmup_iters": 100}, "scheduler.lr_warmup_iters: the warmup (800 samples) must be shorter"),
+    ],
+)
+def test_inconsistent_schedules_are_refused(fields, fragment):
+    cfg = base_config()
+    cfg.scheduler = SchedulerConfig(**fields)
+    _rejected(cfg, fragment)
+
+
+def test_the_tokenizer_sizes_the_model_and_only_the_null_tokenizer_is_available():
+    cfg = base_config()
+    cfg.model.vocab_size = None
+    cfg.validate(world_size=2)
+    assert cfg.model.vocab_size == 128
+    cfg = base_config()
+    cfg.tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=200)
+    _rejected(cfg, "tokenizer.vocab_size: 200 is larger than model.vocab_size=128")
+    cfg = base_config()
+    cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/models/llama")
+    _rejected(cfg, "tokenizer.tokenizer_type: 'HuggingFaceTokenizer' is not available here yet")
+    cfg = base_config()
+    cfg.tokenizer = TokenizerConfig()
+    _rejected(cfg, "tokenizer.tokenizer_type: is not set")
+
+
+def test_the_dataset_is_megatron_cores_config_checked_against_the_model():
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as CoreConfig
+
+    cfg = base_config()
+    assert isinstance(cfg.dataset, CoreConfig) and cfg.dataset.seq_length == cfg.dataset.sequence_length == 32
+    cfg.validate(world_size=2)
+    assert cfg.dataset.mock and cfg.dataset.split == "1,1,1"
+    cfg = apply_overrides(base_config(), ["dataset.sequence_length=64"])
+    _rejected(cfg, "dataset.sequence_length: 64 differs from model.seq_length=32")
+    cfg = apply_overrides(base_config(), ["dataset.eod_mask_loss=True"])
+    _rejected(cfg, "dataset.eod_mask_loss: the mock stream has no document boundaries")
+    cfg = apply_overrides(base_config(), ["dataset.reset_position_ids=None"])
+    _rejected(cfg, "dataset.reset_position_ids: is not set")
+    cfg = apply_overrides(base_config(), ["dataset.dataloader_type=cyclic"])
+    _rejected(cfg, "dataset.dataloader_type: 'cyclic' is not supported")
+    cfg = base_config()
+    cfg.dataset.blend = (["/data/corpus_text_document"], None)
+    _rejected(cfg, "dataset: megatron-core rejects the dataset config: MockGPTDatasetConfig reads no data")
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["checkpoint.ckpt_step=5"], "checkpoint.ckpt_step: 5 needs checkpoint.load"),
+        (["checkpoint.dist_ckpt_strictness=return_all"], "checkpoint.dist_ckpt_strictness: 'return_all' hands"),
+        (
+            ["checkpoint.save=/tmp/x", "checkpoint.async_save=True", "checkpoint.async_strategy=mcore"],
+            "checkpoint.async_strategy: 'mcore' is not supported",
+        ),
+    ],
+)
+def test_checkpoint_fields_of_megatron_bridge_are_checked(overrides, fragment):
+    _rejected(apply_overrides(base_config(), overrides), fragment)
+
+
+def test_the_field_reference_page_is_current():
+    assert config_reference.generated_part(REFERENCE) == config_reference.render(), (
+        "docs/training/config-reference.md is stale: run python -m megatron.bridge.training.utils.config_reference"
+    )
+    page = REFERENCE.read_text()
+    for dotted in field_support.REFUSED:
+        section, _, name = dotted.rpartition(".")
+        assert (f"| `{name}` |" in page) if section else (f"## `{name}`" in page), dotted
