@@ -118,3 +118,21 @@ def test_checkpoint_events_get_the_checkpoint_and_its_tier():
         ("load", CheckpointCallbackContext, "/local", CheckpointType.LOCAL),
     ]
     assert all(c.state == "STATE" and c.user_state == {"k": 1} for _, c in seen)
+
+
+def test_the_loops_features_run_before_the_users_callbacks_and_share_their_user_state():
+    seen = []
+
+    class Feature(Callback):
+        def on_train_step_start(self, context):
+            seen.append(("feature", context.state))
+
+    user = CallbackManager()
+    user.register("on_train_step_start", lambda context: seen.append(("user", context.user_state["x"])))
+    user.user_state["x"] = 1
+    loop = CallbackManager.chain([Feature()], user)
+    fire_event(loop, "on_train_step_start", "STATE", model=[])
+    assert seen == [("feature", "STATE"), ("user", 1)]
+    assert loop.user_state is user.user_state
+    assert user.list_callbacks("on_train_step_start") != loop.list_callbacks("on_train_step_start")  # user's intact
+    assert CallbackManager.chain([Feature()], None).has_callbacks("on_train_step_start")

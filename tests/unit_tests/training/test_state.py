@@ -48,3 +48,38 @@ def test_global_state_builds_its_handles_once_and_a_restart_forgets_them():
     assert state.signal_handler is not handler
     assert state.nvrx_straggler_manager is not manager
     assert state.fault_tolerance_state is ft and state.cfg is cfg  # kept over a restart
+
+
+def test_a_stop_request_keeps_the_first_reason_until_a_restart():
+    from megatron.bridge.training.state import GlobalState
+
+    state = GlobalState()
+    assert state.stop_request is None
+    state.request_stop(21, "straggler")
+    state.request_stop(18, "later")
+    assert state.stop_request == (21, "straggler")
+    state.reset_for_restart()
+    assert state.stop_request is None
+
+
+def test_megatron_bridges_async_save_functions_use_the_runs_queue():
+    from types import SimpleNamespace
+
+    from megatron.bridge.training.checkpointing import maybe_finalize_async_save, schedule_async_save
+    from megatron.bridge.training.config import CheckpointConfig
+    from megatron.bridge.training.state import GlobalState
+
+    calls = []
+    queue = SimpleNamespace(
+        schedule_async_request=lambda request: calls.append(("schedule", request)),
+        maybe_finalize_async_calls=lambda blocking: calls.append(("finalize", blocking)),
+        close=lambda: calls.append(("close",)),
+    )
+    state = GlobalState()
+    schedule_async_save(state, "R0")  # async saves off: no queue, nothing scheduled
+    state.async_calls_queue = queue
+    schedule_async_save(state, "R1")
+    maybe_finalize_async_save(state, CheckpointConfig(async_save=False), blocking=True)  # off: nothing
+    maybe_finalize_async_save(state, CheckpointConfig(save="/c", async_save=True), blocking=True, terminate=True)
+    assert calls == [("schedule", "R1"), ("finalize", True), ("close",)]
+    assert state.async_calls_queue is None

@@ -8,6 +8,11 @@ callback propagates and stops training like any other error in the loop.
 The two checkpoint events get a :class:`CheckpointCallbackContext` (the checkpoint's path and tier) instead of a
 :class:`CallbackContext`: ``on_checkpoint_save`` once a checkpoint is committed (for an asynchronous save, when its
 background write has been committed, a few steps later), ``on_checkpoint_load`` after the run resumed from one.
+``on_checkpoint_save_start``/``_end`` (this package's, with a :class:`CallbackContext`) bracket the time the loop is
+blocked on a save.
+
+This package's own features (goodput, fault tolerance, hang attribution, fault injection, liveness ping, straggler
+detection) are callbacks too: :meth:`CallbackManager.chain` puts them, in their documented order, before the user's.
 """
 
 from collections.abc import Callable, Iterable
@@ -17,7 +22,7 @@ from typing import Any, Optional, Union
 TRAIN_EVENTS = ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end")
 EVAL_EVENTS = ("on_eval_start", "on_eval_step_start", "on_eval_step_end", "on_eval_end")
 TEST_EVENTS = ("on_test_start", "on_test_step_start", "on_test_step_end", "on_test_end")
-CHECKPOINT_EVENTS = ("on_checkpoint_save", "on_checkpoint_load")
+CHECKPOINT_EVENTS = ("on_checkpoint_save_start", "on_checkpoint_save_end", "on_checkpoint_save", "on_checkpoint_load")
 
 VALID_EVENTS: frozenset[str] = frozenset(
     ("on_data_init_start", *TRAIN_EVENTS, *EVAL_EVENTS, *TEST_EVENTS, *CHECKPOINT_EVENTS)
@@ -46,6 +51,8 @@ class CallbackContext:
     """``on_train_step_end``: the gradient norm before clipping (``None`` when the step was not applied)."""
     skipped_iter: Optional[bool] = None
     """``on_train_step_end``: ``True`` when the optimizer step was skipped (e.g. a NaN loss was skipped)."""
+    step_time: Optional[float] = None
+    """``on_train_step_end``: seconds the step's forward, backward and update took (this package's addition)."""
     total_loss_dict: Optional[dict[str, Any]] = None
     """``on_eval_end``/``on_test_end``: the losses averaged over the evaluation."""
 
@@ -110,6 +117,12 @@ class Callback:
     def on_test_end(self, context: CallbackContext) -> None:
         """After the test evaluation; ``total_loss_dict`` holds its averaged losses."""
 
+    def on_checkpoint_save_start(self, context: CallbackContext) -> None:
+        """The loop is about to save a checkpoint (``state.train_state.step`` is its iteration)."""
+
+    def on_checkpoint_save_end(self, context: CallbackContext) -> None:
+        """The save returned (an asynchronous one may still be writing; ``on_checkpoint_save`` follows its commit)."""
+
     def on_checkpoint_save(self, context: CheckpointCallbackContext) -> None:
         """A checkpoint was committed (global or local tier)."""
 
@@ -120,9 +133,10 @@ class Callback:
 class CallbackManager:
     """The callbacks of one run, by event, in the order they run."""
 
-    def __init__(self) -> None:
+    def __init__(self, user_state: Optional[dict] = None) -> None:
+        """An empty manager; ``user_state``: the dict its contexts carry (a new one by default)."""
         self._callbacks: dict[str, list[Callable[[CallbackEventContext], None]]] = {e: [] for e in VALID_EVENTS}
-        self._user_state: dict = {}
+        self._user_state: dict = user_state if user_state is not None else {}
 
     @property
     def user_state(self) -> dict:
@@ -145,6 +159,20 @@ class CallbackManager:
             for event in VALID_EVENTS:
                 if getattr(type(cb), event) is not getattr(Callback, event):
                     self._callbacks[event].append(getattr(cb, event))
+
+    @classmethod
+    def chain(cls, first: Iterable[Callback], then: Optional["CallbackManager"]) -> "CallbackManager":
+        """One manager running the callbacks ``first`` (in order), then every callback of ``then``.
+
+        The loop's features go ``first``; ``then`` is the user's manager, whose ``user_state`` the result shares.
+        """
+        manager = cls(user_state=then.user_state if then is not None else None)
+        manager.add(list(first))
+        if then is not None:
+            for event in sorted(VALID_EVENTS):
+                for fn in then.list_callbacks(event):
+                    manager.register(event, fn)
+        return manager
 
     def register(self, event_name: str, fn: Callable[[CallbackEventContext], None]) -> None:
         """Run ``fn(context)`` at ``event_name``, after the functions already registered there."""

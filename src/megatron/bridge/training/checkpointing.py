@@ -49,6 +49,33 @@ class CheckpointType(enum.Enum):
     """``checkpoint.non_persistent_local_ckpt_dir``: node-local storage (nvidia-resiliency-ext)."""
 
 
+def schedule_async_save(global_state: Any, async_request: Any) -> None:
+    """Schedule ``async_request`` (megatron-core's ``AsyncRequest``) on the run's asynchronous save queue.
+
+    Megatron-Bridge's module function: the queue is ``global_state.async_calls_queue``, the one the run's own async
+    saves use (``checkpoint.async_save``); without it the request is not scheduled.
+    """
+    queue = global_state.async_calls_queue
+    if queue is not None:
+        queue.schedule_async_request(async_request)
+
+
+def maybe_finalize_async_save(
+    global_state: Any, ckpt_cfg: CheckpointConfig, blocking: bool = False, terminate: bool = False
+) -> None:
+    """Run the finalize functions of the asynchronous saves that finished on every rank (all of them: ``blocking``).
+
+    Megatron-Bridge's module function; call it on every rank at the same point. ``terminate`` then closes the queue.
+    """
+    queue = global_state.async_calls_queue
+    if not ckpt_cfg.async_save or queue is None:
+        return
+    queue.maybe_finalize_async_calls(blocking=blocking)
+    if terminate:
+        queue.close()
+        global_state.async_calls_queue = None
+
+
 LOCAL_LOAD_SUSPECT_STEPS = 10
 """A non-finite loss this many steps or fewer after a local-tier load is blamed on the local checkpoint."""
 
@@ -209,6 +236,11 @@ class CheckpointManager:
         """The iteration of the local-tier checkpoint this run started from (``None``: global tier or none)."""
         self.resumed: dict[str, Any] = {"tier": None, "iteration": None, "directory": None, "why": "not loaded yet"}
         """What :meth:`load` resumed from: tier (``"global"``, ``"local"`` or ``None``), iteration, directory, why."""
+
+    @property
+    def async_queue(self) -> Any:
+        """The queue of this run's asynchronous saves (``None`` when they are off or after :meth:`close`)."""
+        return self._queue
 
     # ------------------------------------------------------------------ save
 

@@ -63,6 +63,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from megatron.bridge.training.callbacks import Callback
+
 if TYPE_CHECKING:  # no import at run time: config.py's validate() parses fault specs with this module
     from megatron.bridge.training.config import FaultInjectionConfig
 
@@ -413,10 +415,11 @@ def stall_forever() -> None:
         time.sleep(0.05)
 
 
-class StepFaults:
+class StepFaults(Callback):
     """The faults of one rank in the training loop: at iteration start, in forward passes, and on a timer.
 
-    Timed faults are armed when the rank starts its first iteration.
+    Timed faults are armed when the rank starts its first iteration. As a callback, it strikes at
+    ``on_train_step_start``.
 
     Args:
         rank: this process's global rank.
@@ -434,6 +437,10 @@ class StepFaults:
         self._slow_now = False
         self._iteration = 0
         self._value_struck: set[int] = set()
+
+    def on_train_step_start(self, context: Any) -> None:
+        """Strike what is scheduled for the step about to run."""
+        self.before_step(context.state.train_state.step + 1)
 
     def before_step(self, iteration: int) -> None:
         """Strike if a fault is scheduled for ``iteration`` (the iteration about to run, 1-based)."""

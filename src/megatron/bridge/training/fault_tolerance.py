@@ -26,6 +26,7 @@ import random
 from typing import Any, Optional
 
 from megatron.bridge.training import fault_injection
+from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import ConfigContainer, FaultToleranceConfig
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import Fault
@@ -327,6 +328,26 @@ def shutdown(global_state: Any) -> None:
     if engine is not None:
         engine.shutdown()
     global_state.rank_monitor_client = None
+
+
+class FaultToleranceCallback(Callback):
+    """The loop's ``step`` and ``checkpointing`` sections, reported through Megatron-Bridge's module functions."""
+
+    def on_train_step_start(self, context: Any) -> None:
+        """Open the ``step`` section (the first one also closes ``setup``)."""
+        on_training_step_start(context.state)
+
+    def on_train_step_end(self, context: Any) -> None:
+        """Close the ``step`` section."""
+        on_training_step_end(context.state)
+
+    def on_checkpoint_save_start(self, context: Any) -> None:
+        """Open the ``checkpointing`` section."""
+        on_checkpointing_start(context.state)
+
+    def on_checkpoint_save_end(self, context: Any) -> None:
+        """Close the ``checkpointing`` section (and learn its timeout, with ``calc_ft_timeouts``)."""
+        on_checkpointing_end(is_async_finalization=False, global_state=context.state)
 
 
 def maybe_setup_simulated_fault(config: Any, seed: int = 0, world_size: Optional[int] = None) -> list[Fault]:

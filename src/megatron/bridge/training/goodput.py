@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.utils.fs import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -226,17 +227,27 @@ class GoodputTracker:
     @contextmanager
     def saving(self, iteration: Optional[int] = None) -> Iterator[None]:
         """The loop is blocked on a save or a commit; for a save of ``iteration``, the progress record follows."""
-        self._saving_since = self._clock()
-        if iteration is not None and self.ledger is not None:
-            self.ledger["iteration"] = iteration
+        self.save_started(iteration)
         try:
             yield
         finally:
-            now, since, self._saving_since = self._clock(), self._saving_since, None
-            if self.ledger is not None:
-                self.ledger["lost_s"]["checkpoint_save"] += now - since
-                if iteration is not None:
-                    self._write(PROGRESS, self.snapshot())
+            self.save_ended(iteration)
+
+    def save_started(self, iteration: Optional[int] = None) -> None:
+        """The loop blocks on a save (of ``iteration``) or a commit from now on."""
+        self._saving_since = self._clock()
+        if iteration is not None and self.ledger is not None:
+            self.ledger["iteration"] = iteration
+
+    def save_ended(self, iteration: Optional[int] = None) -> None:
+        """The save or commit returned: its time counts as ``checkpoint_save``; a save rewrites the progress record."""
+        if self._saving_since is None:
+            return
+        now, since, self._saving_since = self._clock(), self._saving_since, None
+        if self.ledger is not None:
+            self.ledger["lost_s"]["checkpoint_save"] += now - since
+            if iteration is not None:
+                self._write(PROGRESS, self.snapshot())
 
     def snapshot(self) -> dict[str, Any]:
         """The ledger as of now (open start-up and save intervals counted up to now): a checkpoint entry."""
@@ -295,3 +306,26 @@ class GoodputTracker:
             atomic_write_json(path, record, durable=False, indent=1, sort_keys=True)
         except OSError as err:  # accounting never stops training
             logger.warning("goodput: could not write %s: %s", path, err)
+
+
+class GoodputCallback(Callback):
+    """The tracker's view of the loop: the first step ends start-up, steps are productive or re-run, saves are lost."""
+
+    def __init__(self, tracker: GoodputTracker) -> None:
+        self.tracker = tracker
+
+    def on_train_step_start(self, context: Any) -> None:
+        """The first step ends start-up."""
+        self.tracker.step_start()
+
+    def on_train_step_end(self, context: Any) -> None:
+        """The step is productive if its update was applied, else re-run time."""
+        self.tracker.step_end(context.step_time or 0.0, kept=not context.skipped_iter)
+
+    def on_checkpoint_save_start(self, context: Any) -> None:
+        """Save time starts."""
+        self.tracker.save_started(context.state.train_state.step)
+
+    def on_checkpoint_save_end(self, context: Any) -> None:
+        """Save time ends; the progress record is rewritten."""
+        self.tracker.save_ended(context.state.train_state.step)

@@ -23,8 +23,9 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
+from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.utils.fs import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,29 @@ class HangWatch:
         faulthandler.dump_traceback(file=self._file, all_threads=True)
         self._file.flush()
         logger.warning("[attribution] %s; all stacks in %s", summarize_stack_file(self.path), self.path)
+
+
+class HangWatchCallback(Callback):
+    """Opens the watch's ``step`` section for each step and its ``checkpointing`` section for each save."""
+
+    def __init__(self, watch: HangWatch) -> None:
+        self.watch = watch
+
+    def on_train_step_start(self, context: Any) -> None:
+        """Watch the ``step`` section."""
+        self.watch.open("step")
+
+    def on_train_step_end(self, context: Any) -> None:
+        """The step finished: stop watching it."""
+        self.watch.close()
+
+    def on_checkpoint_save_start(self, context: Any) -> None:
+        """Watch the ``checkpointing`` section."""
+        self.watch.open("checkpointing")
+
+    def on_checkpoint_save_end(self, context: Any) -> None:
+        """The save returned: stop watching it."""
+        self.watch.close()
 
 
 def _thread_id() -> str:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import HealthConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils import upstream
@@ -135,3 +136,14 @@ class LivenessPing:
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(_POLL_S)
+
+
+class LivenessCallback(Callback):
+    """Pings, when due, at the start of a step: before any collective of the step, a save's commit included."""
+
+    def __init__(self, ping: LivenessPing) -> None:
+        self.ping = ping
+
+    def on_train_step_start(self, context: Any) -> None:
+        """Ping every rank if the step about to run is due."""
+        self.ping.maybe_ping(context.state.train_state.step + 1)

@@ -36,7 +36,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
+from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.utils.dist import broadcast_from_rank0
 from megatron.bridge.utils.optional_imports import straggler_package
 
@@ -295,6 +297,30 @@ class NVRxStragglerDetectionManager:
         if self._detector is not None:
             self._detector.shutdown()
             self._detector = None
+
+
+class StragglerCallback(Callback):
+    """Counts each step and, when a report is due, scores the ranks; a stop it asks for ends the run after the step.
+
+    Args:
+        manager: the run's detection manager (a disabled one does nothing).
+        log_scalars: writes the report's scalars (``straggler/...``) at an iteration (to TensorBoard).
+    """
+
+    def __init__(self, manager: NVRxStragglerDetectionManager, log_scalars: Callable[[dict, int], None]) -> None:
+        self.manager = manager
+        self.log_scalars = log_scalars
+
+    def on_train_step_end(self, context: Any) -> None:
+        """Count the step; on a report step, log the scores and pass on a stop request."""
+        iteration = context.state.train_state.step + 1  # the step that just ran (counted after this event)
+        result = self.manager.check(iteration)
+        if result is None:
+            return
+        if result.scalars:
+            self.log_scalars(result.scalars, iteration)
+        if result.stop_reason is not None:  # the same on every rank: the decision is broadcast
+            context.state.request_stop(ExitCode.STRAGGLER_STOP, result.stop_reason)
 
 
 def check_nvrx_straggler_detection(nvrx_straggler_manager: Optional[NVRxStragglerDetectionManager]) -> bool:

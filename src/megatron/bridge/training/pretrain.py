@@ -18,6 +18,7 @@ from megatron.bridge.training.callbacks import (
     fire_checkpoint_event,
     fire_event,
     normalize_callbacks,
+    should_fire,
 )
 from megatron.bridge.training.checkpointing import CheckpointManager, CheckpointType
 from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig, is_enabled
@@ -25,9 +26,15 @@ from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.eval import evaluate
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
+from megatron.bridge.training.fault_tolerance import FaultToleranceCallback
 from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
-from megatron.bridge.training.goodput import GoodputTracker, process_start_time
-from megatron.bridge.training.hang_attribution import HangWatch, attempt_name, summarize_earlier_attempts
+from megatron.bridge.training.goodput import GoodputCallback, GoodputTracker, process_start_time
+from megatron.bridge.training.hang_attribution import (
+    HangWatch,
+    HangWatchCallback,
+    attempt_name,
+    summarize_earlier_attempts,
+)
 from megatron.bridge.training.initialize import (
     abort_distributed,
     destroy_distributed,
@@ -37,9 +44,9 @@ from megatron.bridge.training.initialize import (
     setup_logging,
 )
 from megatron.bridge.training.inprocess_restart import RestartIteration, maybe_wrap_for_inprocess_restart
-from megatron.bridge.training.liveness import LivenessPing
+from megatron.bridge.training.liveness import LivenessCallback, LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
-from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager
+from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager, StragglerCallback
 from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
 from megatron.bridge.training.rerun import RerunController, check_losses
 from megatron.bridge.training.state import GlobalState
@@ -149,6 +156,7 @@ def _pretrain(
             common_extra={GOODPUT_ENTRY: goodput.snapshot},
             on_saved=functools.partial(fire_checkpoint_event, callbacks, "on_checkpoint_save", global_state),
         )
+        global_state.async_calls_queue = checkpoints.async_queue
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
         set_seeds(cfg.rng.seed)
         init_rerun_state(cfg)
@@ -208,6 +216,14 @@ def _pretrain(
         registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
         fault_tolerance.maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed)
         faults = StepFaults(dist.get_rank(), registry)
+        features = [  # the loop's features, in the order they run at each event (train.py)
+            GoodputCallback(goodput),
+            FaultToleranceCallback(),
+            HangWatchCallback(hang_watch),
+            faults,
+            LivenessCallback(liveness),
+            StragglerCallback(straggler, metrics.log_scalars),
+        ]
         ctx = TrainContext(
             global_state=global_state,
             model=model,
@@ -218,15 +234,13 @@ def _pretrain(
             forward_step_func=straggler.wrap_forward_step(check_losses(faults.wrap_forward_step(eval_forward_step))),
             checkpoints=checkpoints,
             metrics=metrics,
-            faults=faults,
             straggler=straggler,
             signals=signals,
             rerun=rerun,
-            hang_watch=hang_watch,
-            liveness=liveness,
             goodput=goodput,
             start_time=start_time,
-            callbacks=callbacks,
+            callbacks=CallbackManager.chain(features, callbacks),
+            user_wants_losses=should_fire(callbacks, "on_train_step_end"),
             valid_data_iterator=valid_iterator,
             eval_forward_step_func=eval_forward_step,
             **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default

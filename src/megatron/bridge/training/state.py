@@ -90,6 +90,13 @@ class GlobalState:
         """nvidia-resiliency-ext's ``RankMonitorClient`` while fault tolerance is on (set by ``fault_tolerance``)."""
         self.start_time = time.time()
         """Wall-clock time this state was made (``train.exit_duration_in_mins`` counts from here)."""
+        self.stop_request: Optional[tuple[Any, str]] = None
+        """A feature's request that training stop after the current step: ``(exit code, reason)``."""
+
+    def request_stop(self, exit_code: Any, reason: str) -> None:
+        """Ask the loop to stop after the current step (call it alike on every rank: the stop is collective)."""
+        if self.stop_request is None:
+            self.stop_request = (exit_code, reason)
 
     @property
     def cfg(self) -> Any:
@@ -148,8 +155,15 @@ class GlobalState:
 
     @property
     def async_calls_queue(self) -> Any:
-        """The queue of asynchronous checkpoint writes, while async saves are on (set by checkpointing)."""
+        """The queue of asynchronous checkpoint writes while async saves are on.
+
+        Set when the run's checkpoint manager starts; ``checkpointing.schedule_async_save`` schedules on it.
+        """
         return self._async_calls_queue
+
+    @async_calls_queue.setter
+    def async_calls_queue(self, value: Any) -> None:
+        self._async_calls_queue = value
 
     def reset_for_restart(self) -> None:
         """Forget every per-run handle so that an in-process restart builds new ones; config and ft state stay."""
@@ -158,4 +172,5 @@ class GlobalState:
         self._nvrx_straggler_manager = None
         self._nvrx_straggler_created = False
         self._async_calls_queue = None
+        self.stop_request = None
         self.start_time = time.time()

@@ -1,25 +1,28 @@
 """The training loop, written as the ordered list of moments every step goes through.
 
-Order of events in one iteration (features hook in at these moments, with their logic in their own modules):
+The loop's features are callbacks on the same events user callbacks get (``callbacks.py``), run before the user's
+in this order: goodput, fault tolerance, hang attribution, fault injection, liveness ping, straggler detection
+(``pretrain.py`` registers them). One iteration:
 
-1. goodput: the first step ends this attempt's start-up; fault tolerance: open the ``step`` section (everything up
-   to 6 is inside it; hang attribution dumps this rank's stacks if it stays open too long); fault drills strike
-   here; the liveness ping, when due;
+1. ``on_train_step_start``: goodput (the first step ends this attempt's start-up); fault tolerance opens the
+   ``step`` section and hang attribution watches it (this rank's stacks are written if it stays open too long);
+   fault drills strike; the liveness ping, when due (before any collective of the step); then the user's;
 2. commit async checkpoint saves that finished on every rank (goodput counts the wait as ``checkpoint_save``);
 3. forward and backward over the micro-batches (timed by straggler detection), once or, when the re-run state
    machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
    checkpoint; a bad loss soon after a local-tier load stops with 23 instead, that checkpoint deleted); optimizer and
-   scheduler step; goodput counts the step time as productive when the update was applied (re-run passes and steps
-   not applied as ``rerun``);
-4. log metrics; goodput rewrites its progress record and logs its scalars;
-5. straggler detection: count the step; when a report is due, all ranks score each other (may ask to stop);
-6. decide whether to stop (end of training, exit signal on any rank, straggler, ``exit_interval``,
-   ``exit_duration_in_mins``); on a signal, start the stop deadline; close ``step``; report progress (in-process
-   restart's watchdog);
-7. save a checkpoint (inside the ``checkpointing`` section) when the interval is reached or training stops, or
-   else a local-tier checkpoint when its interval is reached (a global save is never replaced by a local one; both
-   carry goodput's ledger, which counts the save as ``checkpoint_save`` and then rewrites its progress record), and
-   report progress again;
+   scheduler step;
+4. ``on_train_step_end``: goodput counts the step as productive when its update was applied (else as ``rerun``);
+   fault tolerance closes ``step`` and hang attribution stops watching; straggler detection counts the step and,
+   when a report is due, all ranks score each other (it may ask every rank to stop); then the user's;
+5. count the step; log metrics; goodput rewrites its progress record and logs its scalars;
+6. decide whether to stop (end of training, exit signal on any rank, a feature's stop request, ``exit_interval``,
+   ``exit_duration_in_mins``); on a signal, start the stop deadline; report progress (in-process restart's watchdog);
+   evaluate when due;
+7. save a checkpoint when the interval is reached or training stops, or else a local-tier checkpoint when its
+   interval is reached (a global save is never replaced by a local one), between ``on_checkpoint_save_start`` and
+   ``_end``: fault tolerance's ``checkpointing`` section, hang attribution's watch, goodput's ``checkpoint_save``
+   time (both tiers carry goodput's ledger); report progress again;
 8. stop with the exit code of the reason.
 """
 
@@ -33,15 +36,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import eval as evaluation
-from megatron.bridge.training import fault_tolerance
-from megatron.bridge.training.callbacks import CallbackManager, fire_event, should_fire
+from megatron.bridge.training.callbacks import CallbackManager, fire_event
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.goodput import GoodputTracker
-from megatron.bridge.training.hang_attribution import HangWatch
-from megatron.bridge.training.liveness import LivenessPing
 from megatron.bridge.training.losses import reduce_losses
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import (
@@ -68,16 +67,18 @@ class TrainContext:
     forward_step_func: Callable
     checkpoints: CheckpointManager
     metrics: MetricsWriter
-    faults: StepFaults
     straggler: NVRxStragglerDetectionManager
+    """Times the forward and backward of each step (its per-step check is a callback)."""
     signals: DistributedSignalHandler
     rerun: RerunController
-    hang_watch: HangWatch
-    liveness: LivenessPing
     goodput: GoodputTracker
+    """Counts re-run passes, the wait for async commits and the progress record (its step and save accounting is a
+    callback)."""
     start_time: float
-    callbacks: Optional[CallbackManager] = None
-    """User callbacks (``pretrain(..., callbacks=...)``)."""
+    callbacks: CallbackManager
+    """The loop's features, then the user's callbacks (``pretrain(..., callbacks=...)``)."""
+    user_wants_losses: bool = False
+    """A user callback handles ``on_train_step_end``: reduce the step's losses for its ``loss_dict`` every step."""
     report_progress: Callable[[], None] = lambda: None
     """Called after every completed step and save: in-process restart's progress watchdog declares a rank that
     stops calling it hung after ``inprocess_restart.soft_timeout``."""
@@ -170,17 +171,7 @@ def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
     return bool(flags[0].item()), bool(flags[1].item())
 
 
-def _straggler_stop(ctx: TrainContext) -> Optional[str]:
-    """Let straggler detection count this step; on a report step, log its scores and return a stop reason, if any."""
-    result = ctx.straggler.check(ctx.state.step)
-    if result is None:
-        return None
-    if result.scalars:
-        ctx.metrics.log_scalars(result.scalars, ctx.state.step)
-    return result.stop_reason
-
-
-def exit_condition(ctx: TrainContext, straggler_stop: Optional[str] = None) -> Optional[tuple[ExitCode, str]]:
+def exit_condition(ctx: TrainContext) -> Optional[tuple[ExitCode, str]]:
     """The reason to stop after this step, if any (finishing wins over every early stop)."""
     train, it = ctx.cfg.train, ctx.state.step
     if it >= train.train_iters:
@@ -188,8 +179,8 @@ def exit_condition(ctx: TrainContext, straggler_stop: Optional[str] = None) -> O
     signalled, timed_out = _agreed_stop_flags(ctx)
     if signalled:
         return ExitCode.PREEMPTED, f"a rank received {ctx.signals.sig.name} (train.exit_signal)"
-    if straggler_stop is not None:
-        return ExitCode.STRAGGLER_STOP, straggler_stop
+    if ctx.global_state.stop_request is not None:  # e.g. straggler detection with stop_if_detected
+        return ctx.global_state.stop_request
     if train.exit_interval is not None and it % train.exit_interval == 0:
         return ExitCode.EXIT_INTERVAL, f"reached train.exit_interval={train.exit_interval} at iteration {it}"
     if timed_out:
@@ -219,8 +210,6 @@ def start_stop_deadline(ctx: TrainContext) -> Optional[StopDeadline]:
 
 def stop_before_step(ctx: TrainContext, verdict: StepVerdict) -> tuple[ExitCode, str]:
     """End the run on a re-run verdict, saving the pre-step state as the verdict asks."""
-    fault_tolerance.on_training_step_end(ctx.global_state)
-    ctx.hang_watch.close()
     if verdict.checkpoint == "force" or (verdict.checkpoint == "if_due" and _should_save(ctx, stopping=True)):
         _save(ctx, ctx.checkpoints.save, rank_extra=ctx.rerun.export_state())
     return verdict.stop
@@ -253,27 +242,23 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     ctx.model.train()
     _fire(ctx, "on_train_start")
     while True:
-        ctx.goodput.step_start()  # the first one ends this attempt's start-up
-        fault_tolerance.on_training_step_start(ctx.global_state)
-        ctx.hang_watch.open("step")
-        ctx.faults.before_step(ctx.state.step + 1)
-        ctx.liveness.maybe_ping(ctx.state.step + 1)  # before any collective of the step, a save commit too
+        _fire(ctx, "on_train_step_start")
         with ctx.goodput.saving():
             ctx.checkpoints.finalize(blocking=False)
         log_this_step = ctx.metrics.due(ctx.state.step + 1)
-        _fire(ctx, "on_train_step_start")
         with ctx.straggler.step_section():
-            metrics, loss_dict, verdict = train_step(
-                ctx, with_losses=log_this_step or should_fire(ctx.callbacks, "on_train_step_end")
-            )
-        ctx.goodput.step_end(metrics["step time"], kept=verdict.apply)  # productive, or else ``rerun`` time
-        applied = {"loss_dict": loss_dict, "grad_norm": metrics["grad norm"], "skipped_iter": not verdict.apply}
-        _fire(ctx, "on_train_step_end", **applied)
+            metrics, loss_dict, verdict = train_step(ctx, with_losses=log_this_step or ctx.user_wants_losses)
+        _fire(
+            ctx,
+            "on_train_step_end",
+            loss_dict=loss_dict,
+            grad_norm=metrics["grad norm"],
+            skipped_iter=not verdict.apply,
+            step_time=metrics["step time"],
+        )
         if verdict.skipped or verdict.stop is not None:
             blamed = ctx.checkpoints.blame_local_tier(ctx.state.step + 1)
             if blamed is not None:  # the state came from a suspect local checkpoint: save nothing of it
-                fault_tolerance.on_training_step_end(ctx.global_state)
-                ctx.hang_watch.close()
                 return ExitCode.LOCAL_CHECKPOINT_REJECTED, blamed
         if verdict.stop is not None:  # the step was not applied: the iteration stays where it was
             return stop_before_step(ctx, verdict)
@@ -285,12 +270,9 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
             ctx.metrics.log_step(ctx.state.step, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
             if ctx.metrics.console_due(ctx.state.step):
                 ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.step), ctx.state.step)
-        straggler_stop = _straggler_stop(ctx)
-        stop = exit_condition(ctx, straggler_stop)
+        stop = exit_condition(ctx)
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
             ctx.deadline = start_stop_deadline(ctx)
-        fault_tolerance.on_training_step_end(ctx.global_state)
-        ctx.hang_watch.close()
         ctx.report_progress()
         if ctx.valid_data_iterator is not None and evaluation.is_due(ctx.global_state):
             totals = evaluation.evaluate(
@@ -309,10 +291,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
 
 
 def _save(ctx: TrainContext, save: Callable[..., None], **extra: Any) -> None:
-    """One checkpoint save inside fault tolerance's ``checkpointing`` section, watched, counted by goodput."""
-    fault_tolerance.on_checkpointing_start(ctx.global_state)
-    ctx.hang_watch.open("checkpointing")
-    with ctx.goodput.saving(ctx.state.step):
-        save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, **extra)
-    fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=ctx.global_state)
-    ctx.hang_watch.close()
+    """One checkpoint save, between the events that open and close fault tolerance's ``checkpointing`` section."""
+    _fire(ctx, "on_checkpoint_save_start")
+    save(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state, **extra)
+    _fire(ctx, "on_checkpoint_save_end")
