@@ -78,8 +78,8 @@ def test_missing_checkpoint_is_an_error_when_asked(tmp_path):
 
 
 def test_bad_override_exits_with_config_error(tmp_path):
-    run = torchrun(tmp_path / "x", "checkpoint.async_save=true", "checkpoint.ckpt_format=torch")
-    assert "checkpoint.ckpt_format: unsupported format 'torch'" in run.output, tail(run)
+    run = torchrun(tmp_path / "x", "checkpoint.async_save=true", "checkpoint.ckpt_format=zarr")
+    assert "checkpoint.ckpt_format: unsupported format 'zarr'" in run.output, tail(run)
     assert run.exit_code == 2
     assert not (tmp_path / "x").exists(), "a rejected config must not start anything"
 

@@ -76,7 +76,7 @@ INVALID = [
     (["optimizer.weight_decay=-1"], 1, "optimizer.weight_decay"),
     (["scheduler.lr_decay_style=step"], 1, "scheduler.lr_decay_style"),
     (["scheduler.lr_warmup_iters=100"], 1, "scheduler.lr_warmup_iters"),
-    (["checkpoint.ckpt_format=torch"], 1, "checkpoint.ckpt_format"),
+    (["checkpoint.ckpt_format=zarr"], 1, "checkpoint.ckpt_format"),
     (["checkpoint.save=/tmp/x", "checkpoint.save_interval=0"], 1, "checkpoint.save_interval"),
     (["checkpoint.save_interval=5"], 1, "checkpoint.save_interval"),
     (["checkpoint.async_save=true"], 1, "checkpoint.async_save"),

@@ -34,6 +34,7 @@ def straggler_config() -> ConfigContainer:
     cfg = tiny_gpt_config()
     cfg.model.hidden_size = 128
     cfg.model.seq_length = 128
+    cfg.dataset.seq_length = 128  # Megatron-Bridge checks that the data and the model agree
     cfg.train.train_iters = 200
     cfg.logger.log_interval = 20
     cfg.nvrx_straggler = NVRxStragglerDetectionConfig(
