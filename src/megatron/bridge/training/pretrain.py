@@ -133,6 +133,7 @@ def _pretrain(
             *([metrics.close] if metrics is not None else []),
             # A finished run closed it already (waiting for its saves); when unwinding, never commit collectives.
             *([functools.partial(checkpoints.close, abort=True)] if checkpoints is not None else []),
+            functools.partial(setattr, global_state, "async_calls_queue", None),  # its queue is closed now
             functools.partial(fault_tolerance.shutdown, global_state),
             hang_watch.shutdown,
             liveness.shutdown,
