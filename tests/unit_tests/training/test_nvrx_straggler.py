@@ -98,6 +98,36 @@ def test_scalars_summarise_each_score_kind():
     }
 
 
+class _ScriptedDetector:
+    """Hands out one scripted report per check, as nvidia-resiliency-ext's Detector does on rank 0."""
+
+    def __init__(self, reports):
+        self.reports = list(reports)
+
+    def generate_report_if_interval_elapsed(self):
+        return self.reports.pop(0)
+
+    def is_interval_elapsed(self):
+        return True
+
+
+def _stops(manager, relative_scores):
+    manager._detector = _ScriptedDetector(_raw(sec_rel=s) for s in relative_scores)
+    return [manager.check(i).stop_reason for i in range(1, len(relative_scores) + 1)]
+
+
+def test_stop_waits_for_the_same_rank_flagged_in_consecutive_reports(caplog):
+    healthy, rank1_slow, rank0_slow = {0: 1.0, 1: 1.0}, {0: 1.0, 1: 0.1}, {0: 0.1, 1: 1.0}
+    assert [r is not None for r in _stops(_manager(stop_if_detected=True), [healthy, rank1_slow])] == [False, True]
+    manager = _manager(stop_if_detected=True, stop_after_consecutive_reports=2)
+    with caplog.at_level("WARNING"):
+        stops = _stops(manager, [rank1_slow, healthy, rank1_slow, rank0_slow, rank1_slow, rank1_slow])
+    assert stops[:5] == [None] * 5  # a passing slowdown, then two different ranks: never twice in a row
+    assert stops[5].startswith("straggler detected at iteration 6 in 2 reports in a row (Rank=1 ")
+    assert "flagged so far: rank 1 x1" in caplog.text
+    assert _stops(_manager(stop_after_consecutive_reports=2), [rank1_slow] * 3) == [None] * 3  # no stop_if_detected
+
+
 def test_disabled_manager_changes_nothing():
     manager = NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig())
     manager.initialize()

@@ -33,9 +33,9 @@ a report could cover more fast steps than slow ones, and the next one come after
 KINDS = ("kill", "hang", "preempt", "nan", "slow", "corrupt-local")
 RESTARTING = ("kill", "hang", "preempt", "slow")
 """Kinds after which the job restarts (``slow``: the straggler stop, exit 21, then the in-job restart)."""
-SLOW_MARGIN = 15
-"""Iterations a ``slow`` fault needs before the end: a straggler report (every second, counted in steps from the
-median of the first 16 steps of each start) whose steps are mostly slowed must come before it."""
+SLOW_MARGIN = 20
+"""Iterations a ``slow`` fault needs before the end: two straggler reports in a row (every second, counted in steps
+from the median of the first 16 steps of each start) whose steps are mostly slowed must come before it."""
 _WORKER_KIND = {
     "kill": "kill",
     "hang": "hang",

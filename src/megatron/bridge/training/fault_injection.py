@@ -24,7 +24,9 @@ both apply (the environment's faults are added to the config's).
     with the GIL released, as a rank blocked on a lock, a store, a peer or storage that stops answering; its
     threads and heartbeats go on): ``step``, ``save.<point>``;
   - ``slow`` (the rank's forward steps take ``x<factor>`` times as long, default 2, from that iteration on: it
-    sleeps for the extra time inside the step, which CPU-side timing sees and CUDA kernel timing does not),
+    sleeps for the extra time inside the step, which CPU-side timing sees and CUDA kernel timing does not; the
+    extra time is a multiple of the rank's median forward time before the fault, so a forward step that other
+    processes delay is not stretched ``factor`` times more),
     ``spike`` (its forward output is multiplied by ``x<factor>``, default 100): ``forward``;
   - ``nan``: ``forward`` (its forward output becomes NaN, hence its loss and gradients), ``local_save`` (its
     local checkpoint of that iteration is saved with NaN weights: a poisoned local checkpoint);
@@ -57,6 +59,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -435,6 +438,10 @@ class StepFaults(Callback):
         self._slow: Optional[Fault] = next((f for f in mine if f.kind == "slow"), None)
         self._timed = [f for f in mine if f.phase == TIMER]
         self._slow_now = False
+        self._healthy_forward: list[float] = []
+        """Forward times before ``slow`` strikes (the last few): their median is what the fault multiplies."""
+        self._slow_extra: Optional[float] = None
+        """Seconds ``slow`` adds to every forward step, fixed when it first strikes."""
         self._iteration = 0
         self._value_struck: set[int] = set()
 
@@ -480,11 +487,25 @@ class StepFaults(Callback):
         def faulty_forward_step(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             output, loss_func = forward_step(*args, **kwargs)
-            if self._slow_now:
-                time.sleep(extra * (time.perf_counter() - start))
+            if extra:
+                self._stretch(time.perf_counter() - start, extra)
             return self._corrupt(output), loss_func
 
         return faulty_forward_step
+
+    def _stretch(self, took: float, extra: float) -> None:
+        """Sleep for ``slow``'s extra time once it has struck; before, remember how long forward steps take.
+
+        The extra time is fixed when the fault strikes, from the median of the healthy forward steps (this one's
+        when there were none). Multiplying each step's own time instead would stretch a step that a busy machine
+        delayed by ``factor`` too, far past what the fault means and into hang-detection timeouts.
+        """
+        if not self._slow_now:
+            self._healthy_forward = [*self._healthy_forward[-31:], took]
+            return
+        if self._slow_extra is None:
+            self._slow_extra = extra * statistics.median(self._healthy_forward or [took])
+        time.sleep(self._slow_extra)
 
     def _corrupt(self, output: Any) -> Any:
         """The forward output, made NaN or scaled when a value fault is due in this iteration."""

@@ -90,6 +90,10 @@ class StragglerReport:
     processing_time: float = 0.0
     """Seconds spent building the report (all ranks take part)."""
 
+    def flagged_ranks(self) -> set[int]:
+        """Ranks flagged by any score kind."""
+        return {rank for block in self.blocks for rank in block.flagged()}
+
     def flagged(self) -> list[str]:
         """One line per flagged (rank, score kind)."""
         lines = []
@@ -125,7 +129,7 @@ class StragglerReport:
             kind = "relative" if "relative" in block.title else "individual"
             for stat, value in block.stats().items():
                 out[f"straggler/{kind}_perf_score_{stat}"] = value
-        out["straggler/flagged_ranks"] = float(len({r for block in self.blocks for r in block.flagged()}))
+        out["straggler/flagged_ranks"] = float(len(self.flagged_ranks()))
         return out
 
 
@@ -149,6 +153,8 @@ class NVRxStragglerDetectionManager:
         self.enabled = config.enabled
         self._detector: Any = None
         self._checks = 0
+        self._streaks: dict[int, int] = {}
+        """Rank -> reports in a row that flagged it (rank 0), for ``stop_after_consecutive_reports``."""
         self.last_check: Optional[StragglerCheck] = None
         """What the latest :meth:`check` found (``None`` when no report was due)."""
 
@@ -248,11 +254,23 @@ class NVRxStragglerDetectionManager:
                 logger.warning("Straggler detected: %s", line)
             if self.config.enable_logging:
                 result.scalars = report.scalars()
-            if self.config.stop_if_detected and report.flagged():
-                result.stop_reason = (
-                    f"straggler detected at iteration {iteration} ({'; '.join(report.flagged())}) "
-                    "with nvrx_straggler.stop_if_detected=true"
-                )
+            flagged = report.flagged_ranks()
+            self._streaks = {r: self._streaks.get(r, 0) + 1 for r in flagged}
+            needed = self.config.stop_after_consecutive_reports
+            if self.config.stop_if_detected and flagged:
+                if max(self._streaks.values()) >= needed:
+                    in_a_row = f" in {needed} reports in a row" if needed > 1 else ""
+                    result.stop_reason = (
+                        f"straggler detected at iteration {iteration}{in_a_row} ({'; '.join(report.flagged())}) "
+                        "with nvrx_straggler.stop_if_detected=true"
+                    )
+                else:
+                    logger.warning(
+                        "Not stopping yet: a rank must be flagged in %d reports in a row "
+                        "(nvrx_straggler.stop_after_consecutive_reports); flagged so far: %s",
+                        needed,
+                        ", ".join(f"rank {r} x{n}" for r, n in sorted(self._streaks.items())),
+                    )
             result.report = report
         if self.config.stop_if_detected:
             result.stop_reason = broadcast_from_rank0(result.stop_reason)

@@ -67,6 +67,10 @@ class NVRxStragglerDetectionConfig:
     """An individual score below this flags a straggler (0 < x <= 1)."""
     stop_if_detected: bool = False
     """Save and stop all ranks when a straggler is flagged."""
+    stop_after_consecutive_reports: int = 1
+    """With ``stop_if_detected``: stop only once the same rank is flagged in this many reports in a row (1: at the
+    first). Raise it where one report can catch a healthy rank in a passing slowdown (a shared host, a
+    checkpoint write beside the step): a rank that stays slow is still stopped, one report interval later."""
     enable_logging: bool = True
     """Send score statistics to TensorBoard."""
     logger_name: str = "megatron.bridge.NVRxStragglerDetection"

@@ -96,6 +96,12 @@ def _validate_straggler(cfg: ConfigContainer) -> None:
         _fail(
             "nvrx_straggler.profiling_interval", f"must be >= 1, got {s.profiling_interval}", "use 1 to time every step"
         )
+    if s.stop_after_consecutive_reports < 1:
+        _fail(
+            "nvrx_straggler.stop_after_consecutive_reports",
+            f"must be >= 1, got {s.stop_after_consecutive_reports}",
+            "use 1 to stop at the first report that flags a rank",
+        )
     if s.num_gpu_perf_scores_to_print < 0:
         _fail(
             "nvrx_straggler.num_gpu_perf_scores_to_print",
