@@ -25,8 +25,8 @@ both apply (the environment's faults are added to the config's).
     threads and heartbeats go on): ``step``, ``save.<point>``;
   - ``slow`` (the rank's forward steps take ``x<factor>`` times as long, default 2, from that iteration on: it
     sleeps for the extra time inside the step, which CPU-side timing sees and CUDA kernel timing does not; the
-    extra time is a multiple of the rank's median forward time before the fault, so a forward step that other
-    processes delay is not stretched ``factor`` times more),
+    extra time is a multiple of the median of the rank's recent forward times, so a single forward step that
+    other processes delay is not stretched ``factor`` times more),
     ``spike`` (its forward output is multiplied by ``x<factor>``, default 100): ``forward``;
   - ``nan``: ``forward`` (its forward output becomes NaN, hence its loss and gradients), ``local_save`` (its
     local checkpoint of that iteration is saved with NaN weights: a poisoned local checkpoint);
@@ -106,6 +106,8 @@ PHASES = {
 """Every kind and the phases it can strike in; the first is its default."""
 KINDS = tuple(PHASES)
 _FACTORS = {"slow": 2.0, "spike": 100.0}
+_SLOW_WINDOW = 16
+"""Forward steps whose median ``slow`` multiplies."""
 """Kinds that take ``x<factor>``, and their default factor."""
 
 
@@ -438,10 +440,8 @@ class StepFaults(Callback):
         self._slow: Optional[Fault] = next((f for f in mine if f.kind == "slow"), None)
         self._timed = [f for f in mine if f.phase == TIMER]
         self._slow_now = False
-        self._healthy_forward: list[float] = []
-        """Forward times before ``slow`` strikes (the last few): their median is what the fault multiplies."""
-        self._slow_extra: Optional[float] = None
-        """Seconds ``slow`` adds to every forward step, fixed when it first strikes."""
+        self._recent_forward: list[float] = []
+        """The rank's latest forward times (without ``slow``'s sleep): their median is what ``slow`` multiplies."""
         self._iteration = 0
         self._value_struck: set[int] = set()
 
@@ -494,18 +494,16 @@ class StepFaults(Callback):
         return faulty_forward_step
 
     def _stretch(self, took: float, extra: float) -> None:
-        """Sleep for ``slow``'s extra time once it has struck; before, remember how long forward steps take.
+        """Once ``slow`` has struck, sleep ``extra`` times the median of the rank's recent forward times.
 
-        The extra time is fixed when the fault strikes, from the median of the healthy forward steps (this one's
-        when there were none). Multiplying each step's own time instead would stretch a step that a busy machine
-        delayed by ``factor`` too, far past what the fault means and into hang-detection timeouts.
+        The median of the last :data:`_SLOW_WINDOW` forward steps (their own time, without the sleep) tracks how
+        fast this rank runs now while ignoring single steps the machine delayed: multiplying each step's own time
+        would stretch such a delay ``factor`` times too, far past what the fault means and into hang-detection
+        timeouts.
         """
-        if not self._slow_now:
-            self._healthy_forward = [*self._healthy_forward[-31:], took]
-            return
-        if self._slow_extra is None:
-            self._slow_extra = extra * statistics.median(self._healthy_forward or [took])
-        time.sleep(self._slow_extra)
+        self._recent_forward = [*self._recent_forward[1 - _SLOW_WINDOW :], took]
+        if self._slow_now:
+            time.sleep(extra * statistics.median(self._recent_forward))
 
     def _corrupt(self, output: Any) -> Any:
         """The forward output, made NaN or scaled when a value fault is due in this iteration."""
