@@ -106,9 +106,9 @@ PHASES = {
 """Every kind and the phases it can strike in; the first is its default."""
 KINDS = tuple(PHASES)
 _FACTORS = {"slow": 2.0, "spike": 100.0}
+"""Kinds that take ``x<factor>``, and their default factor."""
 _SLOW_WINDOW = 16
 """Forward steps whose median ``slow`` multiplies."""
-"""Kinds that take ``x<factor>``, and their default factor."""
 
 
 def _number(value: float) -> str:
