@@ -132,6 +132,11 @@ INVALID = [
     ),
     (["nvrx_straggler.enabled=true", "nvrx_straggler.profiling_interval=0"], 1, "nvrx_straggler.profiling_interval"),
     (
+        ["nvrx_straggler.enabled=true", "nvrx_straggler.stop_after_consecutive_reports=0"],
+        1,
+        "nvrx_straggler.stop_after_consecutive_reports",
+    ),
+    (
         ["nvrx_straggler.enabled=true", "nvrx_straggler.num_gpu_perf_scores_to_print=-1"],
         1,
         "nvrx_straggler.num_gpu_perf_scores_to_print",
