@@ -2,10 +2,11 @@
 # Fault tolerance demo: train the tiny GPT under ft_launcher with section timeouts and in-job restarts.
 #
 #   run_fault_tolerance.sh                  train to the end; look for the [FaultTolerance] timeout lines
-#   run_fault_tolerance.sh --simulate-fault rank 1 hangs after the first checkpoint; the rank monitor detects the
-#                                           hung section (`step`, or `checkpointing` if the hang strikes during a
-#                                           save), ft_launcher restarts the workers, training resumes from the newest
-#                                           verified checkpoint and completes
+#   run_fault_tolerance.sh --simulate-fault rank 1 hangs 4 s into training; the rank monitor detects the hung
+#                                           section (`step`, or `checkpointing` if the hang strikes during a save),
+#                                           ft_launcher restarts the workers, training resumes from the newest
+#                                           verified checkpoint (from iteration 0 if the hang struck before the
+#                                           first one, as it can on a busy machine) and completes
 #
 # Environment: NPROC (default 2), RUN_DIR (default runs/fault_tolerance), MAX_RESTARTS (default 3),
 # STEP_TIMEOUT (seconds, default 10), TRAIN_ITERS (default 200; 600 with --simulate-fault, so training is still
