@@ -21,6 +21,7 @@ import socket
 import sys
 from typing import Optional
 
+from megatron.bridge import standby
 from megatron.bridge.utils import upstream
 
 _PICK_PORT = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
@@ -60,6 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main
 
     upstream.patch(_PICK_PORT, socket_on_a_quiet_port)
+    argv = standby.install("ft_launcher", sys.argv[1:] if argv is None else argv)
     return ft_launcher_main(argv) or 0
 
 

@@ -14,12 +14,13 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from megatron.bridge import standby
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; return the exit code of the first failed worker, or 0."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(standby.install("torch", sys.argv[1:] if argv is None else argv))
     try:
         run(args)
     except ChildFailedError as err:

@@ -73,6 +73,17 @@ _STRAGGLER = "nvidia_resiliency_ext.straggler"
 _STRAGGLER_NEW = "nvidia_resiliency_ext.attribution.straggler"
 
 
+_TORCH_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
+_NVRX_HANDLER = (
+    "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.multiprocessing.subprocess_handler.subprocess_handler"
+)
+STANDBY_PATCHES = {
+    "torch": f"{_TORCH_HANDLER}:SubprocessHandler._popen",
+    "ft_launcher": f"{_NVRX_HANDLER}:SubprocessHandler._popen",
+}
+"""The worker-start method of each launcher, which :mod:`megatron.bridge.standby` replaces."""
+
+
 def _torch_global(module: str, why: str, newer: tuple[str, ...] = ()) -> Symbol:
     return Symbol(
         f"{module}:torch", "patch", f"cpu_shims: the module's own `torch` name, swapped for a CPU view ({why})", newer
@@ -196,7 +207,25 @@ SYMBOLS: tuple[Symbol, ...] = (
     _torch_global("megatron.core.dist_checkpointing.strategies.async_utils", "torch.cuda.synchronize before forking"),
     _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),
     _torch_global("megatron.core.dist_checkpointing.tensor_aware_state_dict", "torch.cuda.synchronize"),
+    Symbol(
+        f"{_TORCH_HANDLER}:SubprocessHandler._popen",
+        "patch",
+        "standby.py: torchrun's workers are forked from a pre-imported standby process",
+    ),
+    *(
+        Symbol(f"{_TORCH_HANDLER}:SubprocessHandler.{attr}", "state", "standby.py: the worker's output file")
+        for attr in ("_stdout", "_stderr")
+    ),
     # ---------------------------------------------------------------- nvidia-resiliency-ext
+    Symbol(
+        f"{_NVRX_HANDLER}:SubprocessHandler._popen",
+        "patch",
+        "standby.py: ft_launcher's workers are forked from a pre-imported standby process",
+    ),
+    *(
+        Symbol(f"{_NVRX_HANDLER}:SubprocessHandler.{attr}", "state", "standby.py: the worker's output file")
+        for attr in ("_stdout", "_stderr")
+    ),
     Symbol(
         "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port",
         "patch",
@@ -406,6 +435,12 @@ def default_store() -> Any:
 def abort_process_groups() -> None:
     """Abort every process group of this process (NCCL communicators are aborted, not just destroyed)."""
     get("torch.distributed.distributed_c10d:_abort_process_group")()
+
+
+def worker_output_files(handler: Any) -> tuple[Optional[str], Optional[str]]:
+    """The files a torch elastic ``SubprocessHandler`` opened for its worker's stdout and stderr (``None``: none)."""
+    files = (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None))
+    return tuple(getattr(f, "name", None) if f is not None else None for f in files)
 
 
 def set_rerun_state_machine(machine: Any) -> None:
