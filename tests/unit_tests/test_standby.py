@@ -72,8 +72,10 @@ def test_the_opt_out_flag_keeps_the_launchers_own_start_and_is_removed(monkeypat
     key = upstream.STANDBY_PATCHES["torch"]
     original = upstream.get(key)
     monkeypatch.setattr(upstream.owner(key), "_popen", original)  # restored after the test
+    started = []
+    monkeypatch.setattr(standby._STANDBY, "start", lambda: started.append(True))  # no standby forked from pytest
     argv = ["--nproc-per-node=2", standby.OPT_OUT, "train.py"]
     assert standby.install("torch", argv) == ["--nproc-per-node=2", "train.py"]
-    assert upstream.get(key) is original
+    assert upstream.get(key) is original and not started
     assert standby.install("torch", ["train.py"]) == ["train.py"]
-    assert upstream.get(key) is not original
+    assert upstream.get(key) is not original and started

@@ -58,10 +58,12 @@ def socket_on_a_quiet_port() -> socket.socket:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run ``ft_launcher`` with ``argv`` (default: this process's arguments); return its exit code."""
+    import torch  # noqa: F401 - before the standby forks: its workers need it; ft_launcher's logging they do not
+
+    argv = standby.install("ft_launcher", sys.argv[1:] if argv is None else argv)
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main
 
     upstream.patch(_PICK_PORT, socket_on_a_quiet_port)
-    argv = standby.install("ft_launcher", sys.argv[1:] if argv is None else argv)
     return ft_launcher_main(argv) or 0
 
 

@@ -4,14 +4,16 @@ The failure: torchrun and ``ft_launcher`` start every worker as a fresh interpre
 every in-job restart. Before it can train, each one imports torch and megatron-core: 4 to 5 CPU-seconds per rank on
 a small node, paid again by every rank after every fault (issue: restarts must not pay the whole import cost again).
 
-What this does: at the first worker start, the launcher starts one standby process that imports what every worker
-imports (:data:`PRELOAD`) and then waits. Each worker is then forked from it, already imported, and runs its entry
-point (``python -u script.py ...`` or ``python -u -m module ...``) with the environment, working directory, output
-files, session and signal state the launcher gave it, exactly as if it had been started with ``exec``; the launcher
-waits on it, signals its process group and reads its exit code as before (the standby double-forks; the launcher is
-made the workers' child subreaper, so they are its children). Where the entry point is not the launcher's own
-Python, or the standby cannot be used (not Linux, it died, CUDA got initialised in it), the worker is started the
-usual way: never a failed start because of this module.
+What this does: when the launcher starts (torch imported, nothing else set up yet: no threads, signal handlers or
+logging of its own), it forks one standby process that imports what every worker imports (:data:`PRELOAD`) while
+the launcher goes on, and then waits. Each worker is forked from it, already imported, and runs its entry point
+(``python -u script.py ...`` or ``python -u -m module ...``) with the environment, working directory, output files,
+session, signal state and thread count the launcher gave it, as if it had been started with ``exec``, and leaves
+the way ``python`` does (``SystemExit`` or an uncaught exception, then ``atexit``). The launcher waits on it,
+signals its process group and reads its exit code as before: the standby double-forks and the launcher is made the
+workers' child subreaper, so they are its children. Where the entry point is not the launcher's own Python, or
+the standby cannot be used (not Linux, it died, CUDA got initialised in it), the worker is started the usual way:
+never a failed start because of this module.
 
 The standby never initialises CUDA (device queries go through NVML, ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), so a
 forked worker can use its GPU; it refuses to serve if CUDA was initialised anyway. ``--no-preload-workers`` on
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
@@ -37,8 +40,14 @@ from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
 
-PRELOAD = ("megatron.bridge.models", "megatron.bridge.training.pretrain", "megatron.bridge.recipes.tiny_gpt")
-"""What the standby imports: the model providers (torch and megatron-core behind them) and the training loop."""
+PRELOAD = (
+    "megatron.bridge.models",
+    "megatron.bridge.training.pretrain",
+    "megatron.bridge.recipes.tiny_gpt",
+    "torch._dynamo",
+)
+"""What the standby imports: the model providers (torch and megatron-core behind them), the training loop, and
+what torch's optimizers import when the first one is built (``torch._dynamo``, 0.5 s)."""
 
 OPT_OUT = "--no-preload-workers"
 """The launcher flag that starts every worker as a fresh interpreter instead."""
@@ -112,13 +121,37 @@ def entry_request(args: tuple, env: dict[str, str], stdout: Optional[str], stder
 
 
 class Standby:
-    """The launcher's standby process: started at the first worker start, then asked for every worker."""
+    """The launcher's standby process: forked when the launcher starts, then asked for every worker."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conn: Optional[Connection] = None
-        self._proc: Optional[subprocess.Popen] = None
-        self._usable = sys.platform == "linux"
+        self._pid: Optional[int] = None
+        self._started = 0.0
+        self._ready = False
+
+    def start(self) -> None:
+        """Fork the standby (it imports :data:`PRELOAD` while the launcher goes on); once per launcher.
+
+        In the forked processes this does not return: the standby exits when the launcher is gone, and a worker
+        leaves through its entry point's exit (``SystemExit``, or its uncaught exception), as ``python`` would.
+        """
+        if self._pid is not None or sys.platform != "linux":
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            logger.warning("standby: prctl(PR_SET_CHILD_SUBREAPER): %s", os.strerror(ctypes.get_errno()))
+            return
+        mine, theirs = socket.socketpair()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            mine.close()
+            _standby(Connection(theirs.detach()))
+        theirs.close()
+        self._pid, self._conn = pid, Connection(mine.detach())
 
     def spawn(
         self, args: tuple, env: dict[str, str], stdout: Optional[str], stderr: Optional[str]
@@ -128,49 +161,32 @@ class Standby:
         if request is None:
             return None
         with self._lock:
-            if not self._usable or (self._conn is None and not self._start()):
+            if self._conn is None:
                 return None
             try:
+                if not self._ready:
+                    status, value = self._conn.recv()
+                    if status != "ready":
+                        return self._give_up(f"the standby process cannot serve: {value}")
+                    self._ready = True
+                    logger.info(
+                        "standby: pid %d ready %.1f s after the launcher started it (imports: %.1f s)",
+                        self._pid, time.monotonic() - self._started, value,
+                    )  # fmt: skip
                 self._conn.send(request)
                 status, value = self._conn.recv()
             except (OSError, EOFError) as err:
-                self._give_up(f"the standby process is gone ({err})")
-                return None
+                return self._give_up(f"the standby process is gone ({err})")
         if status != "ok":
             logger.warning("standby: could not fork a worker (%s); starting it the usual way", value)
             return None
         return ForkedWorker(value, args)
 
-    def _start(self) -> bool:
-        """Start the standby and wait until it imported :data:`PRELOAD`; ``False`` (and not again) if it cannot."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            return self._give_up(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
-        mine, theirs = socket.socketpair()
-        ours, fd = Connection(mine.detach()), theirs.detach()
-        started = time.monotonic()
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(fd)], pass_fds=(fd,))
-        os.close(fd)
-        try:
-            status, value = ours.recv()
-        except (OSError, EOFError):
-            status, value = "failed", f"exited with code {self._proc.wait()}"
-        if status != "ready":
-            ours.close()
-            return self._give_up(f"the standby process cannot serve: {value}")
-        self._conn = ours
-        logger.info(
-            "standby: pid %d imported the workers' modules in %.1f s", self._proc.pid, time.monotonic() - started
-        )
-        return True
-
-    def _give_up(self, why: str) -> bool:
+    def _give_up(self, why: str) -> None:
         logger.warning("standby: %s; workers start as fresh interpreters", why)
-        self._usable = False
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        return False
 
 
 _STANDBY = Standby()
@@ -192,6 +208,7 @@ def install(launcher: str, argv: list[str]) -> list[str]:
     ``launcher`` is ``"torch"`` (torchrun) or ``"ft_launcher"``; returns ``argv`` without :data:`OPT_OUT`.
     """
     if OPT_OUT not in argv:
+        _STANDBY.start()  # first: the launcher's module, imported to patch it, may set up logging
         key = upstream.STANDBY_PATCHES[launcher]
         original = upstream.find(key)
         if original is not None:
@@ -202,22 +219,43 @@ def install(launcher: str, argv: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------------------- standby side
 
 
-def _serve(fd: int) -> Optional[dict]:
+def _standby(conn: Connection) -> None:
+    """The standby process (never returns); in a forked worker, run the entry point and leave as Python would."""
+    try:
+        request = _serve(conn)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    if request is None:
+        os._exit(0)
+    _become_worker(request)
+    if request["module"]:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(request["script"], run_name="__main__")
+    raise SystemExit(0)
+
+
+def _serve(conn: Connection) -> Optional[dict]:
     """Import :data:`PRELOAD`, tell the launcher, then fork one worker per request until the launcher is gone.
 
     Returns only in a forked worker: its request.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle; it closes the connection
-    conn = Connection(fd)
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # device queries must not initialise CUDA before a fork
-    for name in PRELOAD:
-        importlib.import_module(name)
+    started = time.process_time()
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+    except Exception as err:  # the worker's own import will report it in full
+        conn.send(("failed", f"importing {name}: {err!r}"))
+        return None
     import torch
 
     if torch.cuda.is_initialized():
         conn.send(("unsafe", "CUDA was initialised while importing"))
         return None
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", time.process_time() - started))
     while True:
         try:
             request = conn.recv()
@@ -272,19 +310,3 @@ def _become_worker(request: dict) -> None:
     else:
         sys.argv = [request["script"], *request["argv"]]
         sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
-
-
-def main(fd: int) -> None:
-    """The standby process; in each forked worker, run its entry point as ``__main__`` and exit like Python does."""
-    request = _serve(fd)
-    if request is None:
-        return
-    _become_worker(request)
-    if request["module"]:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(request["script"], run_name="__main__")
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]))
