@@ -2,11 +2,12 @@
 # Set up the environment and run the test suite. Two tiers:
 #
 #   bash scripts/run_tests.sh          # everything (CI): lint, the unit tier, then the functional fault drills
-#   bash scripts/run_tests.sh --fast   # lint and the unit tier only (our own logic; under 3 minutes)
+#   bash scripts/run_tests.sh --fast   # lint and the unit tier only (our own logic, on 2 workers; under 3 minutes)
 #
 # Extra arguments go to pytest. The functional tier (real 2-rank runs on CPU with gloo, real Slurm) runs on
 # PYTEST_WORKERS parallel workers (default 3: most drills wait on timeouts, signals and restarts rather than compute);
-# a module's tests run on one worker (its module-scoped set-up, such as the Slurm cluster, is made once); drills
+# a module's tests run on one worker (its module-scoped set-up, such as the Slurm cluster, is made once), the longest
+# modules first (tests/conftest.py); drills
 # marked serial (straggler scores compare the ranks' CPU time) run alone afterwards. Each run
 # gets its own temporary directory, so two runs on one machine do not collide; it is removed when the run passes.
 # Every test has a time limit (tests/conftest.py).
@@ -39,12 +40,13 @@ run() {  # run one tier; remember its pytest status (5: it collected no test)
 
 start=$(date +%s)
 echo "[tests] unit tier"
-run unit tests -m "not functional" -q --durations=10 "$@"
+run unit tests -m "not functional" -q --durations=10 -n 2 "$@"
 echo "[tests] unit tier took $(( $(date +%s) - start )) s"
 if [ "$fast" = 0 ]; then
   func_start=$(date +%s)
   echo "[tests] functional tier on ${PYTEST_WORKERS:-3} workers"
-  run functional tests -m "functional and not serial" -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadscope "$@"
+  run functional tests -m "functional and not serial" -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadscope \
+    --no-loadscope-reorder "$@"
   echo "[tests] functional drills that must run alone (they judge ranks by their CPU time)"
   run serial tests -m "functional and serial" -v --durations=5 -p no:xdist "$@"
   echo "[tests] functional tier took $(( $(date +%s) - func_start )) s"

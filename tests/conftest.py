@@ -5,7 +5,9 @@
   logic, mocks allowed).
 - Parallel workers (pytest-xdist, ``--dist loadscope``): a module's tests run on one worker, so a module-scoped
   fixture (a drill's run, the Slurm cluster of the Slurm drills) is made once; the session-wide shared runs are made
-  once per run across workers (``tests/resources.once_per_run``).
+  once per run across workers (``tests/resources.once_per_run``). Modules are handed out longest first
+  (:data:`LONGEST_FIRST`, run with ``--no-loadscope-reorder``): a long module started last would leave the tier
+  waiting on one worker while the others sit idle.
 - Time limits (pytest-timeout): ``UNIT_TIMEOUT`` seconds for a unit test, ``FUNCTIONAL_TIMEOUT`` for a functional
   one, unless the test sets its own ``@pytest.mark.timeout``. The limit covers set-up, so a shared fixture that
   trains a reference run counts against the first test that asks for it.
@@ -25,7 +27,27 @@ FUNCTIONAL_TIMEOUT = 600
 _FUNCTIONAL_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "functional_tests")
 
 
+LONGEST_FIRST = (
+    "test_main_job.py", "recipes/test_preemption_slurm.py", "training/test_local_checkpointing.py",
+    "training/test_rerun_state_machine.py", "training/test_fault_tolerance.py", "training/test_straggler_example.py",
+    "training/test_preemption.py", "training/test_resume.py", "training/test_checkpoint_faults.py",
+    "training/test_health.py", "training/test_inprocess_restart.py", "training/test_fault_tolerance_example.py",
+    "training/test_launchers.py", "test_wheel.py", "recipes/test_fault_tolerance_plugin.py",
+)  # fmt: skip
+"""Functional modules by the time their tests took in full runs (a module's wall time on a loaded 2-core machine),
+longest first; the others follow in collection order."""
+
+
+def _scheduling_rank(item: pytest.Item) -> int:
+    path = os.path.realpath(item.path)
+    for rank, module in enumerate(LONGEST_FIRST):
+        if path == os.path.join(_FUNCTIONAL_DIR, module):
+            return rank
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_scheduling_rank)  # stable: a module's tests keep their order
     for item in items:
         functional = item.get_closest_marker("functional") is not None
         if not functional and os.path.realpath(item.path).startswith(_FUNCTIONAL_DIR + os.sep):

@@ -74,3 +74,23 @@ def test_an_unknown_marker_is_an_error(pytester):
     result = pytester.runpytest("-p", "no:cacheprovider")
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*'functinal' not found in `markers` configuration option*"])
+
+
+def test_the_longest_first_modules_exist_and_are_handed_out_first():
+    from tests import conftest
+
+    missing = [m for m in conftest.LONGEST_FIRST if not os.path.isfile(os.path.join(conftest._FUNCTIONAL_DIR, m))]
+    assert not missing, f"LONGEST_FIRST names modules that are gone: {missing}"
+    root = Path(conftest._FUNCTIONAL_DIR)
+
+    class Item:
+        def __init__(self, path: Path) -> None:
+            self.path = path
+            self.markers: list = []
+
+        def get_closest_marker(self, name: str):
+            return object() if name in ("functional", "timeout") else None
+
+    items = [Item(root / "test_standby.py"), Item(root / "training/test_resume.py"), Item(root / "test_main_job.py")]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [item.path.name for item in items] == ["test_main_job.py", "test_resume.py", "test_standby.py"]
