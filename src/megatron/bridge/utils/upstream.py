@@ -84,6 +84,18 @@ STANDBY_PATCHES = {
 """The worker-start method of each launcher, which :mod:`megatron.bridge.standby` replaces."""
 
 
+def _worker_handler(module: str, launcher: str) -> tuple[Symbol, ...]:
+    """The worker-start method of ``launcher``'s ``SubprocessHandler`` and the output files it reads."""
+    why = f"standby.py: {launcher}'s workers are forked from a pre-imported standby process"
+    return (
+        Symbol(f"{module}:SubprocessHandler._popen", "patch", why),
+        *(
+            Symbol(f"{module}:SubprocessHandler.{a}", "state", "standby.py: the worker's output file")
+            for a in ("_stdout", "_stderr")
+        ),
+    )
+
+
 def _torch_global(module: str, why: str, newer: tuple[str, ...] = ()) -> Symbol:
     return Symbol(
         f"{module}:torch", "patch", f"cpu_shims: the module's own `torch` name, swapped for a CPU view ({why})", newer
@@ -207,25 +219,9 @@ SYMBOLS: tuple[Symbol, ...] = (
     _torch_global("megatron.core.dist_checkpointing.strategies.async_utils", "torch.cuda.synchronize before forking"),
     _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),
     _torch_global("megatron.core.dist_checkpointing.tensor_aware_state_dict", "torch.cuda.synchronize"),
-    Symbol(
-        f"{_TORCH_HANDLER}:SubprocessHandler._popen",
-        "patch",
-        "standby.py: torchrun's workers are forked from a pre-imported standby process",
-    ),
-    *(
-        Symbol(f"{_TORCH_HANDLER}:SubprocessHandler.{attr}", "state", "standby.py: the worker's output file")
-        for attr in ("_stdout", "_stderr")
-    ),
+    *_worker_handler(_TORCH_HANDLER, "torchrun"),
     # ---------------------------------------------------------------- nvidia-resiliency-ext
-    Symbol(
-        f"{_NVRX_HANDLER}:SubprocessHandler._popen",
-        "patch",
-        "standby.py: ft_launcher's workers are forked from a pre-imported standby process",
-    ),
-    *(
-        Symbol(f"{_NVRX_HANDLER}:SubprocessHandler.{attr}", "state", "standby.py: the worker's output file")
-        for attr in ("_stdout", "_stderr")
-    ),
+    *_worker_handler(_NVRX_HANDLER, "ft_launcher"),
     Symbol(
         "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port",
         "patch",
