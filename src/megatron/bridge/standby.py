@@ -167,7 +167,7 @@ class Standby:
                 if not self._ready:
                     status, value = self._conn.recv()
                     if status != "ready":
-                        return self._give_up(f"the standby process cannot serve: {value}")
+                        return self.stop(f"the standby process cannot serve: {value}")
                     self._ready = True
                     logger.info(
                         "standby: pid %d ready %.1f s after the launcher started it (imports: %.1f s)",
@@ -176,13 +176,14 @@ class Standby:
                 self._conn.send(request)
                 status, value = self._conn.recv()
             except (OSError, EOFError) as err:
-                return self._give_up(f"the standby process is gone ({err})")
+                return self.stop(f"the standby process is gone ({err})")
         if status != "ok":
             logger.warning("standby: could not fork a worker (%s); starting it the usual way", value)
             return None
         return ForkedWorker(value, args)
 
-    def _give_up(self, why: str) -> None:
+    def stop(self, why: str) -> None:
+        """Stop using the standby (it exits once the connection is closed); workers start the usual way."""
         logger.warning("standby: %s; workers start as fresh interpreters", why)
         if self._conn is not None:
             self._conn.close()
@@ -213,6 +214,8 @@ def install(launcher: str, argv: list[str]) -> list[str]:
         original = upstream.find(key)
         if original is not None:
             upstream.patch(key, popen_or_fork(original))
+        else:  # nothing will ask it for workers: let it exit
+            _STANDBY.stop(f"{key} is gone")
     return [arg for arg in argv if arg != OPT_OUT]
 
 
@@ -220,7 +223,10 @@ def install(launcher: str, argv: list[str]) -> list[str]:
 
 
 def _standby(conn: Connection) -> None:
-    """The standby process (never returns); in a forked worker, run the entry point and leave as Python would."""
+    """The standby process: exits, never returns; a forked worker runs its entry point and leaves as Python would.
+
+    The worker leaves by raising ``SystemExit`` (or the entry point's exception) through the launcher's frames.
+    """
     try:
         request = _serve(conn)
     except BaseException:
