@@ -47,3 +47,25 @@ def test_jit_fuser_shim_keeps_torch_compile_out_of_megatron_core_imports():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_cpu_tensors_pass_as_cuda_only_inside_the_patched_upstream_calls():
+    cpu_shims.apply_cpu_shims()
+    t = torch.zeros(2)
+    with cpu_shims._cpu_tensors_pass_as_cuda():
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert t.type(torch.float64).dtype == torch.float64  # a conversion is untouched
+        assert t.cuda() is t
+    assert t.type() == "torch.FloatTensor"
+    with pytest.raises((AssertionError, RuntimeError)):
+        t.cuda()  # no CUDA here: the real method is back
+    keys = [s.key for s in upstream.SYMBOLS if s.key.endswith(("embeddings_and_output_layer", "main_param_groups"))]
+    assert len(keys) == 2
+    for key in keys:  # tied embeddings across pipeline stages; the distributed optimizer
+        assert upstream.get(key)._cpu_shim, key
+
+
+def test_gloo_sends_pipeline_activations_one_at_a_time():
+    config = type("Config", (), {"batch_p2p_comm": True, "overlap_p2p_comm": True})()
+    cpu_shims.gloo_pipeline_settings(config)
+    assert (config.batch_p2p_comm, config.overlap_p2p_comm) == (False, False)

@@ -22,7 +22,22 @@ LOCAL_TIER = [
 
 INVALID = [
     (["model.tensor_model_parallel_size=0"], 2, "model.tensor_model_parallel_size"),
-    (["model.pipeline_model_parallel_size=2"], 2, "model.pipeline_model_parallel_size"),
+    (["model.pipeline_model_parallel_size=0"], 2, "model.pipeline_model_parallel_size"),
+    (["model.pipeline_model_parallel_size=2"], 3, "model.tensor_model_parallel_size"),
+    (["model.pipeline_model_parallel_size=2", "model.num_layers=3"], 2, "model.num_layers"),
+    (
+        ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"],
+        2,
+        "model.num_layers",
+    ),
+    (["model.virtual_pipeline_model_parallel_size=2"], 1, "model.virtual_pipeline_model_parallel_size"),
+    (["model.pipeline_model_parallel_size=2", "model.variable_seq_lengths=true"], 2, "model.variable_seq_lengths"),
+    (["model.num_query_groups=3"], 1, "model.num_query_groups"),
+    (
+        ["model.num_query_groups=1", "model.tensor_model_parallel_size=2", "train.global_batch_size=4"],
+        2,
+        "model.num_query_groups",
+    ),
     (["model.tensor_model_parallel_size=2"], 3, "model.tensor_model_parallel_size"),
     (["model.num_layers=0"], 1, "model.num_layers"),
     (["model.hidden_size=0"], 1, "model.hidden_size"),
@@ -92,7 +107,7 @@ INVALID = [
     (["validation.eval_iters=0", "validation.eval_interval=5"], 1, "validation.eval_iters"),
     (["optimizer.optimizer=lamb"], 1, "optimizer.optimizer"),
     (["optimizer.use_distributed_optimizer=True"], 1, "optimizer.use_distributed_optimizer"),
-    (["ddp.use_distributed_optimizer=True"], 1, "ddp.use_distributed_optimizer"),
+    (["ddp.use_distributed_optimizer=True"], 1, "optimizer.use_distributed_optimizer"),
     (["optimizer.bf16=True"], 1, "optimizer.bf16"),
     (["dist.distributed_timeout_minutes=0"], 1, "dist.distributed_timeout_minutes"),
     (["logger.log_interval=0"], 1, "logger.log_interval"),
@@ -317,6 +332,23 @@ def test_bf16_rejected_without_cuda():
 def test_tensor_parallel_two_is_valid():
     cfg = apply_overrides(base_config(), ["model.tensor_model_parallel_size=2", "train.global_batch_size=4"])
     cfg.validate(world_size=2)
+
+
+def test_pipeline_parallel_and_the_distributed_optimizer_are_valid():
+    cfg = apply_overrides(
+        base_config(),
+        [
+            "model.pipeline_model_parallel_size=2",
+            "model.num_layers=4",
+            "model.virtual_pipeline_model_parallel_size=2",
+            "optimizer.use_distributed_optimizer=true",
+            "ddp.use_distributed_optimizer=true",
+        ],
+    )
+    cfg.validate(world_size=4)
+    assert cfg.model.pipeline_dtype is None  # validate() finalizes a copy; the build sets it from params_dtype
+    model = cfg.model.for_device(torch.device("cpu"))
+    assert model.pipeline_dtype == torch.float32
 
 
 def test_world_size_from_environment(monkeypatch):

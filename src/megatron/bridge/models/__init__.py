@@ -1,5 +1,29 @@
 """Model providers: megatron-core ``TransformerConfig`` subclasses that build the model they describe."""
 
 from megatron.bridge.models.gpt_provider import GPTModelProvider
+from megatron.bridge.models.llama import (
+    Llama3ModelProvider,
+    Llama3ModelProvider8B,
+    Llama3ModelProvider70B,
+    Llama31ModelProvider,
+    Llama31ModelProvider8B,
+    Llama31ModelProvider70B,
+    Llama32ModelProvider1B,
+    Llama32ModelProvider3B,
+    LlamaModelProvider,
+    LlamaTinyModelProvider,
+)
 
-__all__ = ["GPTModelProvider"]
+__all__ = [
+    "GPTModelProvider",
+    "LlamaModelProvider",
+    "Llama3ModelProvider",
+    "Llama3ModelProvider8B",
+    "Llama3ModelProvider70B",
+    "Llama31ModelProvider",
+    "Llama31ModelProvider8B",
+    "Llama31ModelProvider70B",
+    "Llama32ModelProvider1B",
+    "Llama32ModelProvider3B",
+    "LlamaTinyModelProvider",
+]

@@ -5,11 +5,15 @@ As in Megatron-Bridge, the provider *is* the model's config: every ``Transformer
 megatron-core's own checks and derived fields (``ffn_hidden_size`` of ``None`` becomes ``4 * hidden_size``, ...)
 run in :meth:`finalize`, not at construction, so that a recipe's provider can still be changed by dotted
 overrides; ``ConfigContainer.validate()`` finalizes it. :meth:`provide` builds megatron-core's ``GPTModel`` with
-the local (Transformer-Engine-free) layer spec unless ``transformer_layer_spec`` says otherwise.
+the layer spec ``transformer_layer_spec`` gives: by default (:func:`default_layer_spec`) megatron-core's Transformer
+Engine spec where Transformer Engine is installed and usable (a GPU), else its local, plain-PyTorch spec.
 """
 
 import copy
+import functools
+import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
@@ -21,14 +25,50 @@ from megatron.bridge.utils.cpu_shims import before_megatron_core_import
 before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fused ops are imported
 
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 
 def local_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
     """megatron-core's local GPT layer spec (plain PyTorch modules; runs on CPU and GPU)."""
     return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+
+
+def transformer_engine_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
+    """megatron-core's Transformer Engine GPT layer spec (needs Transformer Engine and a GPU).
+
+    Its norms read ``normalization`` from the config itself: the spec function takes no such argument.
+    """
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+
+
+@functools.cache
+def transformer_engine_usable() -> bool:
+    """Whether Transformer Engine is installed, imports with megatron-core's wrappers of it, and has a GPU to run on.
+
+    Without an installed ``transformer_engine`` nothing is imported (the answer is known from the import system).
+    """
+    if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+        return False
+    try:
+        import megatron.core.extensions.transformer_engine  # noqa: F401 - imports transformer_engine itself
+    except Exception as err:  # a broken install raises more than ImportError (OSError for a missing CUDA library)
+        logger.warning("transformer_engine is installed but does not import (%s); using the local layer spec", err)
+        return False
+    return True
+
+
+def default_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
+    """The Transformer Engine layer spec where Transformer Engine is usable, else the local one."""
+    if transformer_engine_usable():
+        return transformer_engine_layer_spec(config)
+    return local_layer_spec(config)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
@@ -57,21 +97,31 @@ class GPTModelProvider(TransformerConfig):
     """Fraction of each head's dimensions that is rotated."""
     seq_len_interpolation_factor: Optional[float] = None
     """Rotary position interpolation factor for longer sequences; ``None`` is none."""
+    rope_scaling: bool = False
+    """Scale the rotary frequencies for long contexts as Llama 3.1 does (megatron-core's ``rope_scaling``)."""
+    rope_scaling_factor: float = 8.0
+    """With ``rope_scaling``: what the lowest rotary frequencies are divided by (8 for Llama 3.1, 32 for Llama 3.2)."""
     seq_length: int = 1024
     """Sequence length of the training samples and the longest position embedded."""
     vocab_size: Optional[int] = None
     """Vocabulary size (before padding); ``None`` takes the tokenizer's (``tokenizer.vocab_size``)."""
     should_pad_vocab: bool = False
     """Pad ``vocab_size`` to a multiple of ``make_vocab_size_divisible_by * tensor_model_parallel_size``."""
-    transformer_layer_spec: Union[ModuleSpec, Callable[["GPTModelProvider"], ModuleSpec]] = local_layer_spec
+    transformer_layer_spec: Union[ModuleSpec, Callable[["GPTModelProvider"], ModuleSpec]] = default_layer_spec
     """The transformer layer's modules, or a function of this provider that returns them (``vp_stage`` too, if it
-    takes it)."""
+    takes it); by default Transformer Engine's where it is usable, else megatron-core's local ones."""
 
     def __post_init__(self) -> None:
         """Nothing yet: megatron-core's checks and derived fields wait for :meth:`finalize` (overrides come first)."""
 
     def finalize(self) -> None:
-        """Run megatron-core's checks and fill its derived fields; safe to call again after a change."""
+        """Run megatron-core's checks and fill its derived fields; safe to call again after a change.
+
+        With pipeline parallelism, ``pipeline_dtype`` (the dtype of the activations stages exchange) of ``None``
+        becomes the model's compute dtype.
+        """
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            self.pipeline_dtype = torch.bfloat16 if self.bf16 else self.params_dtype
         TransformerConfig.__post_init__(self)
 
     @property
@@ -112,6 +162,8 @@ class GPTModelProvider(TransformerConfig):
             position_embedding_type=self.position_embedding_type,
             rotary_percent=self.rotary_percent,
             rotary_base=self.rotary_base,
+            rope_scaling=self.rope_scaling,
+            rope_scaling_factor=self.rope_scaling_factor,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             vp_stage=vp_stage,
         )
@@ -130,17 +182,3 @@ class GPTModelProvider(TransformerConfig):
         provider.use_cpu_initialization = self.use_cpu_initialization or device.type == "cpu"
         provider.finalize()
         return provider
-
-
-def build_model(provider: GPTModelProvider, device: torch.device) -> torch.nn.Module:
-    """The model of ``provider`` on ``device`` (seed the generators first for a reproducible init).
-
-    With ``bf16`` it is wrapped in megatron-core's ``Float16Module``: bf16 compute, fp32 logits out.
-    """
-    config = provider.for_device(device)
-    model = config.provide().to(device)
-    if config.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(config, model)
-    return model

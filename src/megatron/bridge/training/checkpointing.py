@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.bridge.training.checkpoint import async_writer, layout, manifest
+from megatron.bridge.models.distributed import unwrap
+from megatron.bridge.training.checkpoint import async_writer, layout, manifest, optimizer_state
 from megatron.bridge.training.checkpoint.local_tier import LocalTier
 from megatron.bridge.training.checkpoint.resume import resolve_resume_path
 from megatron.bridge.training.config import CheckpointConfig
@@ -80,13 +81,18 @@ LOCAL_LOAD_SUSPECT_STEPS = 10
 """A non-finite loss this many steps or fewer after a local-tier load is blamed on the local checkpoint."""
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The megatron-core module inside a DDP wrapper."""
-    return getattr(model, "module", model)
+def _model_state_keys(model: list[torch.nn.Module]) -> list[str]:
+    """Checkpoint keys of the model chunks: ``model`` for one chunk, ``model0``, ``model1``, ... when interleaved."""
+    return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
+
+
+def _model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
+    """The model chunks' sharded state, by :func:`_model_state_keys`."""
+    return {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_state_keys(model), model)}
 
 
 def _sharded_state_dict(
-    model: torch.nn.Module,
+    model: list[torch.nn.Module],
     optimizer: Any,
     scheduler: Any,
     state: TrainState,
@@ -110,12 +116,16 @@ def _sharded_state_dict(
         payload = serialize_rng_state({**get_rng_state(), _EXTRA_KEY: rank_extra})
         rng_bytes = max(all_gather_object(rng_blob_length(payload)))
         rng_row = rng_blob_to_tensor(payload, rng_bytes)
-    model_sd = _unwrap(model).sharded_state_dict()
+    model_sd = _model_state(model)
+    if is_loading:
+        optimizer_state.prime_for_loading(optimizer)
     return {
         **(common_extra or {}),
         "checkpoint_version": CHECKPOINT_VERSION,
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        **model_sd,
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=optimizer_state.optimizer_metadata(model)
+        ),
         "opt_param_scheduler": scheduler.state_dict(),
         "train_state": state.state_dict(),
         "rng_bytes": rng_bytes,
@@ -261,7 +271,7 @@ class CheckpointManager:
 
     def save(
         self,
-        model: torch.nn.Module,
+        model: list[torch.nn.Module],
         optimizer: Any,
         scheduler: Any,
         state: TrainState,
@@ -337,7 +347,7 @@ class CheckpointManager:
         self.last_finalize_seconds = time.perf_counter() - start
         self._on_saved(layout.iter_dir(root, iteration), CheckpointType.GLOBAL)
 
-    def save_local(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> None:
+    def save_local(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> None:
         """Save the current state into the local tier (same content as a global checkpoint)."""
         assert self.local is not None, "validate() guarantees the local tier when a local save is due"
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
@@ -379,7 +389,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
 
-    def load(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState) -> Optional[int]:
+    def load(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> Optional[int]:
         """Load the newest valid checkpoint into the given objects; return its iteration.
 
         The directory is chosen by :func:`resolve_resume_path` (``cfg.load`` if it holds checkpoints, else
@@ -446,7 +456,7 @@ class CheckpointManager:
         )
 
     def _load_local(
-        self, candidates: list[int], model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+        self, candidates: list[int], model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> bool:
         """Load the local tier's newest checkpoint if it is newer than every global one and verifies."""
         assert self.local is not None
@@ -511,7 +521,7 @@ class CheckpointManager:
         return [it for it in committed if it <= tracked]
 
     def _load_dir(
-        self, ckpt_dir: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+        self, ckpt_dir: str, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> None:
         from megatron.core import dist_checkpointing
 
@@ -521,7 +531,7 @@ class CheckpointManager:
         self._apply(loaded, model, optimizer, scheduler, state)
 
     def _state_dict_to_load(
-        self, common: dict, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+        self, common: dict, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> dict[str, Any]:
         """The sharded state dict to load a checkpoint with this ``common`` part into (any tier)."""
         self.loaded_common_extra = {name: common[name] for name in self._common_extra if name in common}
@@ -538,10 +548,13 @@ class CheckpointManager:
         return sharded_sd
 
     def _apply(
-        self, loaded: dict[str, Any], model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState
+        self, loaded: dict[str, Any], model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> None:
-        _unwrap(model).load_state_dict(loaded["model"], strict=True)
-        optimizer.load_state_dict(loaded["optimizer"])
+        for key, chunk in zip(_model_state_keys(model), model):
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        with torch.no_grad():  # fp32 parameters are the distributed optimizer's main params: views of model leaves
+            optimizer.load_state_dict(loaded["optimizer"])
+        optimizer_state.after_loading(optimizer)
         try:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
         except AssertionError as err:  # megatron-core: the config's schedule differs from the checkpoint's

@@ -152,18 +152,45 @@ def data_parallel_size(model: GPTModelProvider, world_size: int) -> int:
     return world_size // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
 
 
+def _validate_pipeline(m: GPTModelProvider) -> None:
+    """Stages (and virtual stages) must each get the same whole number of layers."""
+    pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+    if vp is not None and (vp < 1 or pp < 2):
+        _fail(
+            "model.virtual_pipeline_model_parallel_size",
+            f"{vp} needs a positive value and model.pipeline_model_parallel_size >= 2 (it is {pp})",
+            "set it to None, or use pipeline parallelism",
+        )
+    chunks = pp * (vp or 1)
+    if m.num_layers % chunks:
+        what = f"{pp} pipeline stages" + (f" x {vp} virtual stages" if vp else "")
+        _fail(
+            "model.num_layers",
+            f"{m.num_layers} layers cannot be split evenly over {what}",
+            f"use a multiple of {chunks} layers, or change model.pipeline_model_parallel_size",
+        )
+    if pp > 1 and m.variable_seq_lengths:
+        _fail(
+            "model.variable_seq_lengths",
+            "pipeline stages exchange activations of the configured seq_length only",
+            "set it to False",
+        )
+
+
 def _validate_model(m: GPTModelProvider, world_size: int) -> None:
     tp = m.tensor_model_parallel_size
     if tp < 1:
         _fail("model.tensor_model_parallel_size", f"must be >= 1, got {tp}", "set a positive size")
-    if m.pipeline_model_parallel_size != 1:
-        _fail("model.pipeline_model_parallel_size", "pipeline parallelism is not supported", "set it to 1")
-    if world_size % tp:
+    pp = m.pipeline_model_parallel_size
+    if pp < 1:
+        _fail("model.pipeline_model_parallel_size", f"must be >= 1, got {pp}", "set a positive size")
+    if world_size % (tp * pp):
         _fail(
             "model.tensor_model_parallel_size",
-            f"{tp} does not divide the world size {world_size}",
-            "use a divisor of the number of ranks",
+            f"tensor parallel {tp} x pipeline parallel {pp} does not divide the world size {world_size}",
+            "use sizes whose product divides the number of ranks",
         )
+    _validate_pipeline(m)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
         if getattr(m, name) < 1:
             _fail(f"model.{name}", f"must be >= 1, got {getattr(m, name)}", "set a positive value")
@@ -177,6 +204,19 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
         _fail(
             "model.num_attention_heads",
             f"{m.num_attention_heads} is not divisible by tensor parallel size {tp}",
+            "use a multiple of model.tensor_model_parallel_size",
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        _fail(
+            "model.num_query_groups",
+            f"{groups} query groups do not divide {m.num_attention_heads} attention heads",
+            "use a divisor of model.num_attention_heads",
+        )
+    if groups % tp:
+        _fail(
+            "model.num_query_groups",
+            f"{groups} query groups are not divisible by tensor parallel size {tp}",
             "use a multiple of model.tensor_model_parallel_size",
         )
     if m.padded_vocab_size % tp:
@@ -297,13 +337,13 @@ def _validate_optimizer(cfg: ConfigContainer) -> None:
             f"model's (bf16={m.bf16}, fp16={m.fp16}, params_dtype={m.params_dtype})",
             "set optimizer.bf16, optimizer.fp16 and optimizer.params_dtype as the model has them",
         )
-    for section, value in (("optimizer", o.use_distributed_optimizer), ("ddp", cfg.ddp.use_distributed_optimizer)):
-        if value:
-            _fail(
-                f"{section}.use_distributed_optimizer",
-                "the distributed optimizer is not supported by this package yet",
-                f"set {section}.use_distributed_optimizer=False",
-            )
+    if o.use_distributed_optimizer != cfg.ddp.use_distributed_optimizer:
+        _fail(
+            "optimizer.use_distributed_optimizer",
+            f"is {o.use_distributed_optimizer} but ddp.use_distributed_optimizer is {cfg.ddp.use_distributed_optimizer}"
+            " (the optimizer shards its state over the gradient buffers DDP lays out for it)",
+            "set both to the same value",
+        )
     try:
         copy.deepcopy(o).__post_init__()  # megatron-core's own checks, on a copy
     except (ValueError, AssertionError, RuntimeError) as err:

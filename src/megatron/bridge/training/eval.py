@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def evaluate(
     global_state: Any,
-    model: torch.nn.Module,
+    model: list[torch.nn.Module],
     forward_step_func: Callable,
     data_iterator: Iterator,
     callbacks: Optional[CallbackManager] = None,
@@ -34,7 +34,8 @@ def evaluate(
     dp = parallel_state.get_data_parallel_world_size()
     num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     fire_event(callbacks, "on_eval_start", global_state, model)
-    model.eval()
+    for chunk in model:
+        chunk.eval()
     losses: list[dict[str, torch.Tensor]] = []
     try:
         with torch.no_grad():
@@ -43,7 +44,7 @@ def evaluate(
                 losses += get_forward_backward_func()(
                     forward_step_func=forward_step_func,
                     data_iterator=data_iterator,
-                    model=[model],
+                    model=model,
                     num_microbatches=num_microbatches,
                     seq_length=cfg.model.seq_length,
                     micro_batch_size=cfg.train.micro_batch_size,
@@ -52,8 +53,9 @@ def evaluate(
                 progress.consumed_valid_samples += cfg.train.global_batch_size
                 fire_event(callbacks, "on_eval_step_end", global_state, model)
     finally:
-        model.train()
-    totals = {name: value.item() for name, value in reduce_losses(losses).items()} if losses else {}
+        for chunk in model:
+            chunk.train()
+    totals = {name: value.item() for name, value in reduce_losses(losses).items()}
     logger.info(
         "validation at iteration %d (%d steps): %s",
         progress.step,

@@ -95,14 +95,16 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=cfg.model.virtual_pipeline_model_parallel_size,
             distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
         )
     logger.info(
-        "initialized %s on %s: world size %d, tensor parallel %d, data parallel %d",
+        "initialized %s on %s: world size %d, tensor parallel %d, pipeline parallel %d, data parallel %d",
         backend,
         device,
         dist.get_world_size(),
         parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size(),
     )
     return device

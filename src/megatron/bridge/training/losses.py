@@ -35,11 +35,22 @@ def masked_next_token_loss(
 
 
 def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each reported loss averaged over the step's micro-batches and data-parallel ranks.
+    """Each reported loss averaged over the step's micro-batches and data-parallel ranks, on every rank.
 
     A loss function reports either one value per micro-batch (averaged over micro-batches), or ``[sum, count]``
-    (``losses.masked_next_token_loss``; averaged over every counted token of the step).
+    (``losses.masked_next_token_loss``; averaged over every counted token of the step). With pipeline parallelism only
+    the last stage computes losses (``losses`` is empty on the others): it sends the averages to the other stages, so
+    every rank logs and hands its callbacks the same values.
     """
+    from megatron.core import parallel_state
+
+    reduced = _reduce_over_data_parallel(losses) if losses else {}
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        reduced = _from_last_stage(reduced)
+    return reduced
+
+
+def _reduce_over_data_parallel(losses: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group()
@@ -56,3 +67,16 @@ def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
             dist.all_reduce(mean, group=group)
             reduced[name] = mean[0] / dp_size
     return reduced
+
+
+def _from_last_stage(reduced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The last pipeline stage's reduced losses, on every stage of its pipeline (one broadcast)."""
+    from megatron.core import parallel_state
+
+    payload = [{name: value.item() for name, value in reduced.items()}]
+    dist.broadcast_object_list(
+        payload,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return {name: torch.tensor(value, dtype=torch.float32) for name, value in payload[0].items()}

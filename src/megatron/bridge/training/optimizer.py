@@ -1,4 +1,4 @@
-"""Data-parallel wrapping, optimizer and learning-rate scheduler from megatron-core, as the config describes them."""
+"""Optimizer and learning-rate scheduler from megatron-core, as the config describes them."""
 
 import copy
 from typing import Any
@@ -6,18 +6,6 @@ from typing import Any
 import torch
 
 from megatron.bridge.training.config import ConfigContainer
-
-
-def wrap_data_parallel(model: torch.nn.Module, ddp_config: Any) -> torch.nn.Module:
-    """Wrap ``model`` in megatron-core DDP (``ddp_config``, the config's ``ddp``) and set the schedule's hooks."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-    config = model.config
-    wrapped = DistributedDataParallel(config=config, ddp_config=copy.deepcopy(ddp_config), module=model)
-    config.no_sync_func = wrapped.no_sync
-    config.finalize_model_grads_func = finalize_model_grads  # data-parallel gradient all-reduce
-    return wrapped
 
 
 def optimizer_config(cfg: ConfigContainer) -> Any:
@@ -35,11 +23,15 @@ def optimizer_config(cfg: ConfigContainer) -> Any:
     return opt
 
 
-def build_optimizer(cfg: ConfigContainer, model: torch.nn.Module) -> Any:
-    """megatron-core's optimizer for ``model`` (``get_megatron_optimizer`` on :func:`optimizer_config`)."""
+def build_optimizer(cfg: ConfigContainer, model: list[torch.nn.Module]) -> Any:
+    """megatron-core's optimizer for the model chunks (``get_megatron_optimizer`` on :func:`optimizer_config`).
+
+    With ``optimizer.use_distributed_optimizer`` each data-parallel rank keeps the state of its share of the
+    parameters only (and saves only that share).
+    """
     from megatron.core.optimizer import get_megatron_optimizer
 
-    return get_megatron_optimizer(optimizer_config(cfg), [model])
+    return get_megatron_optimizer(optimizer_config(cfg), model)
 
 
 def build_scheduler(cfg: ConfigContainer, optimizer: Any) -> Any:

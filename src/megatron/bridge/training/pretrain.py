@@ -47,7 +47,7 @@ from megatron.bridge.training.inprocess_restart import RestartIteration, maybe_w
 from megatron.bridge.training.liveness import LivenessCallback, LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager, StragglerCallback
-from megatron.bridge.training.optimizer import build_optimizer, build_scheduler, wrap_data_parallel
+from megatron.bridge.training.optimizer import build_optimizer, build_scheduler
 from megatron.bridge.training.rerun import RerunController, check_losses
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.train import TrainContext, train
@@ -104,7 +104,7 @@ def _pretrain(
     start_time = time.time()
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.mock import build_data_iterator
-    from megatron.bridge.models.gpt_provider import build_model
+    from megatron.bridge.models.distributed import provide_distributed_model
 
     rank = int(os.environ.get("RANK", "0"))
     fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
@@ -162,7 +162,7 @@ def _pretrain(
         set_seeds(cfg.rng.seed)
         init_rerun_state(cfg)
         rerun = RerunController(cfg.rerun_state_machine, cfg.checkpoint.save)
-        model = wrap_data_parallel(build_model(cfg.model, device), cfg.ddp)
+        model = provide_distributed_model(cfg.model, device, cfg.ddp)
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
         state = global_state.train_state

@@ -60,7 +60,8 @@ class TrainContext:
 
     global_state: GlobalState
     """The run's config and progress (``cfg`` and ``state`` below); what callbacks and a forward step see."""
-    model: torch.nn.Module
+    model: list[torch.nn.Module]
+    """This rank's model chunks (one per virtual pipeline stage), each in megatron-core DDP."""
     optimizer: Any
     scheduler: Any
     data_iterator: Iterator
@@ -120,12 +121,13 @@ def train_step(ctx: TrainContext, with_losses: bool) -> tuple[dict[str, float], 
     for n in ctx.rerun.passes(ctx.data_iterator, ctx.state.step):
         if n == 1:
             rerun_from = time.perf_counter()  # the passes after the first are goodput's ``rerun`` time
-        ctx.model.zero_grad_buffer()
+        for chunk in ctx.model:
+            chunk.zero_grad_buffer()
         ctx.optimizer.zero_grad()
         losses = get_forward_backward_func()(
             forward_step_func=ctx.forward_step_func,
             data_iterator=ctx.data_iterator,
-            model=[ctx.model],
+            model=ctx.model,
             num_microbatches=num_microbatches,
             seq_length=cfg.model.seq_length,
             micro_batch_size=cfg.train.micro_batch_size,
@@ -142,7 +144,7 @@ def train_step(ctx: TrainContext, with_losses: bool) -> tuple[dict[str, float], 
         metrics["grad norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = ctx.scheduler.get_lr(ctx.optimizer.param_groups[0])
     metrics["step time"] = time.perf_counter() - start
-    loss_dict = reduce_losses(losses) if with_losses and verdict.stop is None and losses else {}
+    loss_dict = reduce_losses(losses) if with_losses and verdict.stop is None else {}
     metrics.update({name: value.item() for name, value in loss_dict.items()})
     return metrics, loss_dict, verdict
 
@@ -165,7 +167,7 @@ def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
     signalled = ctx.signals.received  # agreed below, with the duration flag, in one all-reduce
     elapsed_min = (time.time() - ctx.start_time) / 60.0
     timed_out = train.exit_duration_in_mins is not None and elapsed_min >= train.exit_duration_in_mins
-    device = next(ctx.model.parameters()).device
+    device = next(ctx.model[0].parameters()).device
     flags = torch.tensor([int(signalled), int(timed_out)], dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0].item()), bool(flags[1].item())
@@ -239,7 +241,8 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     cfg = ctx.cfg
     if ctx.state.step >= cfg.train.train_iters:
         return ExitCode.FINISHED, f"checkpoint is already at train.train_iters={cfg.train.train_iters}"
-    ctx.model.train()
+    for chunk in ctx.model:
+        chunk.train()
     _fire(ctx, "on_train_start")
     while True:
         _fire(ctx, "on_train_step_start")

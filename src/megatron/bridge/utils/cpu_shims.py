@@ -32,6 +32,7 @@ Note:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 _APPLIED = False
 _RANDOM = "megatron.core.tensor_parallel.random"
+_LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module"
+_DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
 
 # Tensor factories whose ``device=`` argument _TorchView rewrites.
 _FACTORY_NAMES = ("tensor", "zeros", "ones", "empty", "full")
@@ -349,6 +352,69 @@ def _shim_local_checkpointing() -> None:
     upstream.patch(f"{group_utils}:GroupWrapper.irecv_state_dict", _recv_state_dict_on_cpu)
 
 
+@contextlib.contextmanager
+def _cpu_tensors_pass_as_cuda() -> Any:
+    """While open, a CPU tensor's ``.type()`` names the CUDA type and ``.cuda()`` returns the tensor itself.
+
+    Only around the upstream calls patched below, which run on the main thread while the model and optimizer are
+    built; every other thread keeps the real methods' behaviour for CPU tensors there is no CUDA to copy to anyway.
+    """
+    real_type, real_cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def type_as_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = real_type(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_as_cuda  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type, torch.Tensor.cuda = real_type, real_cuda  # type: ignore[method-assign]
+
+
+def _as_if_cuda(function: Callable[..., Any], bound_classmethod: bool = False) -> Any:
+    """``function`` (an upstream method) run inside :func:`_cpu_tensors_pass_as_cuda`.
+
+    A classmethod comes bound to its class (as read from it) and goes back as a staticmethod.
+    """
+
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        with _cpu_tensors_pass_as_cuda():
+            return function(*args, **kwargs)
+
+    on_cpu.__name__ = function.__name__
+    on_cpu._cpu_shim = True  # type: ignore[attr-defined]
+    return staticmethod(on_cpu) if bound_classmethod else on_cpu
+
+
+def _shim_rotary_embedding() -> None:
+    # RotaryEmbedding moves its inverse frequencies to torch.cuda.current_device() at the first forward.
+    _install_torch_view("megatron.core.models.common.embeddings.rotary_pos_embedding")
+
+
+def _shim_pipeline_parallel() -> None:
+    # p2p_communication exchanges tensor shapes in buffers on torch.cuda.current_device() and synchronizes CUDA.
+    _install_torch_view("megatron.core.pipeline_parallel.p2p_communication")
+    # Tied embeddings with pipeline parallelism: the last stage's copy is moved with .cuda() before the all-reduce.
+    key = f"{_LANGUAGE_MODULE}:LanguageModule.setup_embeddings_and_output_layer"
+    setup = upstream.find(key)
+    if setup is not None and not getattr(setup, "_cpu_shim", False):
+        upstream.patch(key, _as_if_cuda(setup))
+
+
+def _shim_distributed_optimizer() -> None:
+    # The distributed optimizer allocates state on torch.cuda.current_device() when loading checkpoints.
+    _install_torch_view("megatron.core.optimizer.distrib_optimizer")
+    # It accepts only parameters whose .type() is a torch.cuda type when sharding them.
+    key = f"{_DISTRIB_OPTIMIZER}:DistributedOptimizer._build_model_and_main_param_groups"
+    build = upstream.find(key)
+    if build is not None and not getattr(build, "_cpu_shim", False):
+        upstream.patch(key, _as_if_cuda(build, bound_classmethod=True))
+
+
 _SHIMS: dict[str, Callable[[], None]] = {
     "jit_fuser": _shim_jit_fuser,  # first: the other shims import megatron.core
     "global_memory_buffer": _shim_global_memory_buffer,
@@ -357,6 +423,9 @@ _SHIMS: dict[str, Callable[[], None]] = {
     "optimizer": _shim_optimizer,
     "grad_clipping": _shim_grad_clipping,
     "schedules": _shim_schedules,
+    "rotary_embedding": _shim_rotary_embedding,
+    "pipeline_parallel": _shim_pipeline_parallel,
+    "distributed_optimizer": _shim_distributed_optimizer,
     "dist_checkpointing": _shim_dist_checkpointing,
     "rerun_state_machine": _shim_rerun_state_machine,
     "straggler_detector": _shim_straggler_detector,
@@ -395,6 +464,16 @@ def process_group_backend(requested: str) -> str:
         logger.info("cpu_shims: dist.distributed_backend=nccl needs CUDA; using gloo on this CPU-only machine")
         return "gloo"
     return requested
+
+
+def gloo_pipeline_settings(config: Any) -> None:
+    """Pipeline settings gloo needs on a model config: point-to-point sends and receives one at a time.
+
+    Batched p2p over gloo pairs the wrong messages when a stage's previous and next peers are the same rank
+    (interleaved stages on two ranks): gradients came out silently wrong.
+    """
+    config.batch_p2p_comm = False
+    config.overlap_p2p_comm = False
 
 
 def use_persistent_async_worker() -> bool:

@@ -214,6 +214,27 @@ SYMBOLS: tuple[Symbol, ...] = (
     _torch_global("megatron.core.optimizer.optimizer", "optimizer state on the CUDA device"),
     _torch_global("megatron.core.optimizer.clip_grads", "norms on the CUDA device"),
     _torch_global("megatron.core.pipeline_parallel.schedules", "token counts on the CUDA device"),
+    _torch_global("megatron.core.pipeline_parallel.p2p_communication", "shape buffers on the CUDA device"),
+    _torch_global(
+        "megatron.core.models.common.embeddings.rotary_pos_embedding", "rotary frequencies moved to the CUDA device"
+    ),
+    _torch_global("megatron.core.optimizer.distrib_optimizer", "state allocated on the CUDA device on load"),
+    Symbol(
+        "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
+        "patch",
+        "cpu_shims: tied embeddings across pipeline stages are moved with .cuda() before their all-reduce",
+    ),
+    Symbol(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values",
+        "call",
+        "checkpoint/optimizer_state.py: without Apex/TE the distributed optimizer has no state to load into until "
+        "it stepped",
+    ),
+    Symbol(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+        "patch",
+        "cpu_shims: the distributed optimizer accepts only parameters whose .type() is a torch.cuda type",
+    ),
     _torch_global(_FS_ASYNC, "torch.cuda.synchronize before writing"),
     _torch_global("megatron.core.dist_checkpointing.strategies.state_dict_saver", "a flag on the CUDA device"),
     _torch_global("megatron.core.dist_checkpointing.strategies.async_utils", "torch.cuda.synchronize before forking"),

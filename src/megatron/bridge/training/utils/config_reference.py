@@ -23,17 +23,19 @@ END = "<!-- END GENERATED -->"
 MEGATRON_CORE_SECTIONS = {
     "model": (
         "megatron-core's `TransformerConfig` (as `GPTModelProvider`)",
-        "megatron-core's own checks run at `validate()`. Refused: `pipeline_model_parallel_size` other than 1, "
-        "`fp16`, and bfloat16 (`bf16`, `params_dtype`) without CUDA.",
+        "megatron-core's own checks run at `validate()`, and layouts that cannot work: `num_layers` not divisible by "
+        "the pipeline (and virtual pipeline) stages, heads or `num_query_groups` not divisible by "
+        "`tensor_model_parallel_size`. Refused: `fp16`, and bfloat16 (`bf16`, `params_dtype`) without CUDA.",
     ),
     "optimizer": (
         "megatron-core's `OptimizerConfig`",
         "megatron-core's own checks run at `validate()`. Refused: `optimizer` other than adam/sgd, "
-        "`use_distributed_optimizer`, and a precision that differs from the model's.",
+        "`use_distributed_optimizer` that differs from `ddp.use_distributed_optimizer`, and a precision that differs "
+        "from the model's.",
     ),
     "ddp": (
         "megatron-core's `DistributedDataParallelConfig`",
-        "Passed to megatron-core's DDP as it is. Refused: `use_distributed_optimizer`.",
+        "Passed to megatron-core's DDP as it is (`use_distributed_optimizer` must equal the optimizer's).",
     ),
 }
 """Sections that are megatron-core classes: every field goes to megatron-core; only the listed values are refused."""
