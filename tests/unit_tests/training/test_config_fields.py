@@ -148,17 +148,27 @@ def test_inconsistent_schedules_are_refused(fields, fragment):
     _rejected(cfg, fragment)
 
 
-def test_the_tokenizer_sizes_the_model_and_only_the_null_tokenizer_is_available():
+def test_the_tokenizer_sizes_the_model_and_what_cannot_be_built_offline_is_refused(tmp_path):
     cfg = base_config()
     cfg.model.vocab_size = None
     cfg.validate(world_size=2)
     assert cfg.model.vocab_size == 128
     cfg = base_config()
     cfg.tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=200)
-    _rejected(cfg, "tokenizer.vocab_size: 200 is larger than model.vocab_size=128")
+    _rejected(cfg, "tokenizer.vocab_size: the tokenizer's vocabulary (200 ids) is larger than model.vocab_size=128")
     cfg = base_config()
-    cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/models/llama")
-    _rejected(cfg, "tokenizer.tokenizer_type: 'HuggingFaceTokenizer' is not available here yet")
+    cfg.tokenizer = TokenizerConfig(metadata_path={"library": "byte-level"})  # 512 ids
+    _rejected(cfg, "model.vocab_size: the tokenizer's vocabulary (512 ids) is larger than model.vocab_size=128")
+    cfg.model.vocab_size = None
+    cfg.validate(world_size=2)
+    assert cfg.model.vocab_size == 512
+    cfg = base_config()
+    missing = tmp_path / "no-such-tokenizer"
+    cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(missing))
+    _rejected(cfg, "tokenizer.tokenizer_model:", str(missing))
+    cfg = base_config()
+    cfg.tokenizer = TokenizerConfig(tokenizer_type="GPT2BPETokenizer")
+    _rejected(cfg, "tokenizer.tokenizer_type: 'GPT2BPETokenizer' is not available here")
     cfg = base_config()
     cfg.tokenizer = TokenizerConfig()
     _rejected(cfg, "tokenizer.tokenizer_type: is not set")

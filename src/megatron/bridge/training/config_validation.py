@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron.bridge.training.checkpoint.validation import validate_checkpoint
-from megatron.bridge.training.field_support import fail as _fail
 from megatron.bridge.training.field_support import refused_fields
 from megatron.bridge.training.resiliency_validation import validate_resiliency
+from megatron.bridge.utils.fields import fail as _fail
 from megatron.bridge.utils.fields import field_problems
 
 if TYPE_CHECKING:
@@ -97,23 +97,25 @@ def _validate_fields(cfg: ConfigContainer) -> None:
 
 
 def _validate_tokenizer(cfg: ConfigContainer) -> None:
-    t, m = cfg.tokenizer, cfg.model
-    if t.tokenizer_type != "NullTokenizer":
-        problem = "is not set" if t.tokenizer_type is None else f"{t.tokenizer_type!r} is not available here yet"
-        _fail("tokenizer.tokenizer_type", problem, 'use "NullTokenizer" with tokenizer.vocab_size (mock data)')
-    if t.vocab_size is None or t.vocab_size < 1:
-        _fail("tokenizer.vocab_size", f"NullTokenizer needs a vocabulary size, got {t.vocab_size}", "set it")
+    """The tokenizer builds from local files; the model's vocabulary holds every id it makes (or takes its size)."""
+    from megatron.bridge.data.tokenization import build_tokenizer
+
+    m = cfg.model
+    vocab_size = build_tokenizer(cfg.tokenizer).vocab_size
     if m.vocab_size is None:
-        m.vocab_size = t.vocab_size  # as in Megatron-Bridge: the model's vocabulary is the tokenizer's
-    elif m.vocab_size >= 1 and t.vocab_size > m.vocab_size:  # (a size below 1 is the model check's to name)
+        m.vocab_size = vocab_size  # as in Megatron-Bridge: the model's vocabulary is the tokenizer's
+    elif m.vocab_size >= 1 and vocab_size > m.vocab_size:  # (a size below 1 is the model check's to name)
+        field = "tokenizer.vocab_size" if cfg.tokenizer.vocab_size is not None else "model.vocab_size"
         _fail(
-            "tokenizer.vocab_size",
-            f"{t.vocab_size} is larger than model.vocab_size={m.vocab_size}: token ids past the embedding",
+            field,
+            f"the tokenizer's vocabulary ({vocab_size} ids) is larger than model.vocab_size={m.vocab_size}: token ids "
+            "past the embedding",
             "raise model.vocab_size, or leave it None to take the tokenizer's",
         )
 
 
 def _validate_dataset(cfg: ConfigContainer) -> None:
+    from megatron.bridge.data.checks import check_dataset_files, is_mock
     from megatron.bridge.data.config import GPTDatasetConfig
 
     d = cfg.dataset
@@ -124,8 +126,8 @@ def _validate_dataset(cfg: ConfigContainer) -> None:
         d.finalize()
     except (TypeError, AssertionError, ValueError) as err:
         _fail("dataset", f"megatron-core rejects the dataset config: {err}", "fix the field it names")
-    if not d.mock:
-        _fail("dataset.blend", "data files are not supported yet", f"use {example}")
+    if not is_mock(d):
+        check_dataset_files(d)  # prefixes, .bin/.idx agreement, blend weights, split sizes, the index cache
     if d.sequence_length != cfg.model.seq_length:
         _fail(
             "dataset.sequence_length",
@@ -135,7 +137,7 @@ def _validate_dataset(cfg: ConfigContainer) -> None:
     for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         if getattr(d, name) is None:
             _fail(f"dataset.{name}", "is not set (megatron-core requires it)", "set it to False or True")
-        if getattr(d, name):
+        if getattr(d, name) and is_mock(d):
             _fail(f"dataset.{name}", "the mock stream has no document boundaries", "set it to False")
     if d.dataloader_type not in (None, "single"):
         _fail("dataset.dataloader_type", f"{d.dataloader_type!r} is not supported", 'use "single" (or None)')

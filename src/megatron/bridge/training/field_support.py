@@ -87,14 +87,11 @@ INERT: dict[str, str] = {
     "profiling.profile_ranks": "read only by a profiler, and none runs here",
     "profiling.memory_snapshot_path": "read only by a profiler, and none runs here",
     **{
-        f"tokenizer.{name}": "read only by tokenizers other than NullTokenizer, the one available here"
+        f"tokenizer.{name}": "read only by tokenizers other than the ones built here (null, byte-level, HuggingFace)"
         for name in (
-            "metadata_path",
             "vocab_file",
             "merge_file",
             "vocab_extra_ids",
-            "tokenizer_model",
-            "special_tokens",
             "chat_template",
             "tiktoken_pattern",
             "tiktoken_num_special_tokens",
@@ -102,34 +99,7 @@ INERT: dict[str, str] = {
             "tokenizer_prompt_format",
             "image_tag_type",
             "force_system_message",
-            "hf_tokenizer_kwargs",
             "sp_tokenizer_kwargs",
-        )
-    },
-    **{
-        f"dataset.{name}": "read only when building datasets from files; MockGPTDatasetConfig reads none"
-        for name in (
-            "split",
-            "multiple_validation_sets",
-            "full_validation",
-            "num_dataset_builder_threads",
-            "path_to_cache",
-            "mmap_bin_files",
-            "tokenizer",
-            "mid_level_dataset_surplus",
-            "allow_ambiguous_pad_tokens",
-            "fast_cache_load",
-            "defer_npy_index_mmap",
-            "create_attention_mask",
-            "drop_last_partial_validation_sequence",
-            "add_extra_token_to_sequence",
-            "object_storage_cache_path",
-            "data_parallel_size",
-            "sequence_parallel_size",
-            "sequences_per_dataset",
-            "context_parallel_size",
-            "trust_remote_code",
-            "drop_last",
         )
     },
     "straggler.enable_straggler_on_startup": "read only by the legacy detector, which is refused",
@@ -138,11 +108,6 @@ INERT: dict[str, str] = {
     "straggler.disable_straggler_on_startup": "read only by the legacy detector, which is refused",
 }
 """Dotted field -> why any value is accepted but changes nothing (it only configures a refused feature)."""
-
-
-def fail(field_name: str, problem: str, fix: str) -> None:
-    """Raise the config error every check uses: ``"<field>: <problem>. Fix: <fix>."`` (a ``ValueError``)."""
-    raise ValueError(f"{field_name}: {problem}. Fix: {fix}.")
 
 
 def _default(section: Any, name: str) -> Any:

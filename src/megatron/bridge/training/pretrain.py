@@ -103,8 +103,9 @@ def _pretrain(
     cfg = global_state.cfg
     start_time = time.time()
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
-    from megatron.bridge.data.mock import build_data_iterator
+    from megatron.bridge.data.builders import build_train_valid_test_data_iterators
     from megatron.bridge.models.distributed import provide_distributed_model
+    from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
     rank = int(os.environ.get("RANK", "0"))
     fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
@@ -189,29 +190,25 @@ def _pretrain(
 
         from megatron.core import parallel_state
 
-        data_seed = cfg.dataset.random_seed
-        stream = functools.partial(
-            build_data_iterator,
-            vocab_size=cfg.tokenizer.vocab_size,
-            seq_length=cfg.dataset.sequence_length,
+        evaluating = cfg.validation.eval_interval is not None or cfg.validation.skip_train
+        state.do_valid = evaluating
+        # Training and validation streams, positioned by the samples consumed (a resumed run sees the same batches).
+        data_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(
+            cfg.dataset,
+            build_tokenizer(cfg.tokenizer),
+            train_samples=cfg.train.train_iters * cfg.train.global_batch_size,
+            valid_samples=_validation_samples(cfg) if evaluating else 0,
+            test_samples=0,
             micro_batch_size=cfg.train.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
-            num_workers=cfg.dataset.num_workers,
-            pin_memory=cfg.dataset.pin_memory,
-            persistent_workers=cfg.dataset.persistent_workers,
+            consumed_train_samples=state.consumed_train_samples,
+            consumed_valid_samples=state.consumed_valid_samples,
             worker_init_fn=(
                 functools.partial(ignore_in_worker, int(cfg.train.exit_signal))
                 if cfg.train.exit_signal_handler_for_dataloader
                 else None
             ),
-        )
-        data_iterator = stream(seed=data_seed, consumed_samples=state.consumed_train_samples)
-        evaluating = cfg.validation.eval_interval is not None or cfg.validation.skip_train
-        state.do_valid = evaluating
-        # Validation data: a stream of its own (the next seed), positioned by the validation samples consumed.
-        valid_iterator = (
-            stream(seed=data_seed + 1, consumed_samples=state.consumed_valid_samples) if evaluating else None
         )
         eval_forward_step = prepare_forward_step_func(forward_step_func, global_state)  # training wraps it more
         registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
@@ -276,6 +273,13 @@ def _pretrain(
         # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
         # restart into this thread. A step the restart interrupts runs again in the wrapper's finalize step.
         teardown()
+
+
+def _validation_samples(cfg: ConfigContainer) -> int:
+    """Validation samples the whole run reads: ``eval_iters`` global batches per evaluation."""
+    v = cfg.validation
+    evaluations = 1 if v.skip_train else cfg.train.train_iters // v.eval_interval + 1
+    return evaluations * v.eval_iters * cfg.train.global_batch_size
 
 
 def _job_id() -> str:

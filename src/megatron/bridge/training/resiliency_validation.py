@@ -1,7 +1,7 @@
 """The checks behind :meth:`ConfigContainer.validate` for the resiliency sections (``resiliency_config.py``).
 
 Fault tolerance, straggler detection, the re-run state machine, in-process restart, health checks and fault
-injection: each failure is a ``ValueError`` naming the field and the fix (``field_support.fail``). Called by
+injection: each failure is a ``ValueError`` naming the field and the fix (``utils.fields.fail``). Called by
 ``config_validation.validate_config``; imports nothing from ``config.py`` at run time.
 """
 
@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron.bridge.training import fault_injection
-from megatron.bridge.training.field_support import fail as _fail
+from megatron.bridge.utils.fields import fail as _fail
 
 if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer, FaultToleranceConfig

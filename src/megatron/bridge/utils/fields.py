@@ -4,6 +4,7 @@
 - :func:`nearest`: the valid name a typo was probably meant to be.
 - :func:`named_fields`: a class decorator whose ``__init__`` names the nearest field for an unknown keyword.
 - :func:`field_problems`: values of the wrong type, and attributes set on a config that are not fields of it.
+- :func:`fail`: the one error every config and data check raises, naming the field (or file) and the fix.
 """
 
 import dataclasses
@@ -127,3 +128,8 @@ def field_problems(section: Any, prefix: str) -> Iterator[str]:
                 f"{prefix}.{f.name}: expects {describe(hint)}, got {value!r} ({type(value).__name__}). "
                 f"Fix: give a value of that type"
             )
+
+
+def fail(subject: str, problem: str, fix: str) -> typing.NoReturn:
+    """Raise ``ValueError("<subject>: <problem>. Fix: <fix>.")``; ``subject`` is a dotted field or a file."""
+    raise ValueError(f"{subject}: {problem}. Fix: {fix}.")

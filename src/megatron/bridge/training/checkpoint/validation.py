@@ -9,7 +9,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from megatron.bridge.training.field_support import fail as _fail
+from megatron.bridge.utils.fields import fail as _fail
 
 if TYPE_CHECKING:  # no import at run time: config.py runs these checks
     from megatron.bridge.training.config import CheckpointConfig

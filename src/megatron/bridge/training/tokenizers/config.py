@@ -1,8 +1,16 @@
 """``TokenizerConfig``: which tokenizer turns text into the token ids the model sees.
 
-Megatron-Bridge's field names and defaults. This framework trains on mock token streams, so the one tokenizer
-it builds is ``NullTokenizer`` (ids ``0 .. vocab_size - 1``, no text); ``validate()`` refuses the others by name
-rather than ignoring them. Nothing is ever downloaded.
+Megatron-Bridge's field names and defaults. ``build_tokenizer`` (``tokenizers/tokenizer.py``) builds three, all
+from local files:
+
+- ``tokenizer_type="NullTokenizer"`` with ``vocab_size``: ids ``0 .. vocab_size - 1`` (the last is its
+  end-of-document id), no text; for the mock token stream.
+- ``metadata_path={"library": "byte-level"}`` with ``tokenizer_type`` left ``None`` (Megatron-Bridge's spelling,
+  read by megatron-core's ``build_tokenizer``): megatron-core's byte-level tokenizer, 512 ids.
+- ``tokenizer_type="HuggingFaceTokenizer"`` with ``tokenizer_model`` a local ``tokenizer.json`` or a directory
+  holding one (needs ``pip install 'mbridge-resiliency[data]'``).
+
+The other types are refused by name rather than ignored. Nothing is ever downloaded.
 """
 
 from dataclasses import dataclass, field
@@ -40,7 +48,8 @@ class TokenizerConfig:
     vocab_extra_ids: int = 0
     """Extra sentinel tokens (T5-style)."""
     tokenizer_type: Optional[TokenizerType] = None
-    """The tokenizer; ``"NullTokenizer"`` is the one this framework builds."""
+    """The tokenizer: ``"NullTokenizer"`` or ``"HuggingFaceTokenizer"`` (a local ``tokenizer.json``); ``None`` with
+    ``metadata_path={"library": "byte-level"}`` selects the byte-level tokenizer. The others are refused."""
     tokenizer_model: Optional[Union[str, Path]] = None
     """A SentencePiece model file, or a HuggingFace tokenizer's local path."""
     special_tokens: Optional[list[str]] = None
