@@ -44,10 +44,14 @@ PRELOAD = (
     "megatron.bridge.models",
     "megatron.bridge.training.pretrain",
     "megatron.bridge.recipes.tiny_gpt",
+    "megatron.bridge.recipes.llama",
+    "megatron.bridge.recipes.run",
+    "megatron.bridge.data.builders",
     "torch._dynamo",
 )
-"""What the standby imports: the model providers (torch and megatron-core behind them), the training loop, and
-what torch's optimizers import when the first one is built (``torch._dynamo``, 0.5 s)."""
+"""What the standby imports: the model providers (torch and megatron-core behind them), the training loop, the
+recipes and the dataset builders, and what torch's optimizers import when the first one is built
+(``torch._dynamo``, 0.5 s)."""
 
 OPT_OUT = "--no-preload-workers"
 """The launcher flag that starts every worker as a fresh interpreter instead."""

@@ -25,6 +25,7 @@ start-up) left every later start failing to load them; rank 0 first removes such
 
 import copy
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -287,10 +288,24 @@ def build_train_valid_test_data_iterators(
     )
 
 
+def started(iterator: Optional[DataIterator]) -> Optional[DataIterator]:
+    """``iterator`` with its first batch already fetched (``None`` stays ``None``).
+
+    Loader workers start when the first batch is asked for; fetched during set-up, their start-up (a fresh
+    interpreter each) is not counted as the first training step's time, which fault tolerance learns its step
+    timeout from.
+    """
+    if iterator is None:
+        return None
+    first = next(iterator)
+    return itertools.chain([first], iterator)
+
+
 __all__ = [
     "BATCH_KEYS",
     "build_data_iterator",
     "build_gpt_datasets",
     "build_train_valid_test_data_iterators",
     "repair_index_cache",
+    "started",
 ]

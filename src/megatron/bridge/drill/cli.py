@@ -25,8 +25,14 @@ from megatron.bridge.training.fault_injection import struck_faults
 
 logger = logging.getLogger(__name__)
 
-ENTRY = "megatron.bridge.recipes.tiny_gpt"
-"""The module each rank runs (``python -m``): the tiny GPT recipe, which ships in the package."""
+ENTRY = ("megatron.bridge.recipes.run", "llama3_tiny_pretrain_config")
+"""What each rank runs (``python -m``): the CPU-sized Llama recipe, which ships in the package."""
+MODEL_OVERRIDES = ("model.pipeline_model_parallel_size=2", "dataset.num_workers=0")
+"""The drill's layout, before the user's overrides (which may change them): two pipeline stages; batches read in the
+training process (loader workers are fresh interpreters that would compete with the ranks for 2 cores at every
+restart; the exact-resume drills run with them)."""
+CORPUS_BYTES = 2_000_000
+"""Text of the drill's corpus: the first Python standard library sources, byte-level tokenized."""
 FT_LAUNCHER = "megatron.bridge.ft_launch"
 """ft_launcher without its port race (``python -m``), run by the drill's own interpreter (see :func:`_ft_launcher`)."""
 
@@ -52,11 +58,13 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--step-timeout", type=float, default=10.0, help="ft step timeout until one is learned (s)")
     p.add_argument("--timeout", type=float, default=900.0, help="kill a run (and its ranks) after this many seconds")
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no equality check)")
+    p.add_argument("--data", default=None, help="a dataset prefix to train on (default: a corpus made offline)")
     return p.parse_args(argv), overrides
 
 
 RESERVED = ("train.train_iters", "checkpoint.", "logger.", "ft.", "nvrx_straggler.", "rerun_state_machine.",
-            "train.exit_signal_handler", "health.", "inprocess_restart.", "fault_injection.")  # fmt: skip
+            "train.exit_signal_handler", "health.", "inprocess_restart.", "fault_injection.",
+            "dataset.blend")  # fmt: skip
 """Override prefixes the drill sets itself: its analysis depends on them (a step log line per iteration, say)."""
 _MARKER = ".mbridge-drill"
 
@@ -67,7 +75,7 @@ def _check_overrides(overrides: list[str]) -> None:
         if item.split("=", 1)[0].startswith(RESERVED):
             raise ValueError(
                 f"override {item!r}: the drill sets {item.split('=', 1)[0]} itself (its report depends on it); "
-                "use --train-iters, --save-interval, --local-interval, or a model/optimizer/train field"
+                "use --train-iters, --save-interval, --local-interval, --data, or a model/optimizer/train field"
             )
 
 
@@ -90,8 +98,25 @@ def _ft_launcher() -> list[str]:
     return [sys.executable, "-m", FT_LAUNCHER]
 
 
+def prepare_corpus(data_dir: Path) -> str:
+    """A small real corpus made with no network: standard library sources, byte-level tokenized; its prefix."""
+    from megatron.bridge.data.offline_corpus import write_corpus
+    from megatron.bridge.data.preprocess import preprocess
+    from megatron.bridge.data.tokenization import build_tokenizer
+    from megatron.bridge.recipes.llama.llama3 import BYTE_LEVEL
+    from megatron.bridge.training.tokenizers.config import TokenizerConfig
+
+    jsonl, prefix = data_dir / "corpus.jsonl", data_dir / "stdlib_text_document"
+    files, size = write_corpus(str(jsonl), max_bytes=CORPUS_BYTES)
+    stats = preprocess(
+        str(jsonl), str(prefix), build_tokenizer(TokenizerConfig(metadata_path=dict(BYTE_LEVEL))), append_eod=True
+    )
+    print(f"[drill] corpus: {files} standard library sources, {stats.tokens:,} byte-level tokens -> {prefix}")
+    return str(prefix)
+
+
 def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -> list[str]:
-    """Every resiliency feature on (in-process restart excepted: it is an alternative to in-job restart).
+    """The drill's data and every resiliency feature on (in-process restart excepted: an alternative to in-job restart).
 
     Straggler detection stops the job on a rank scoring below 0.15 against the fastest one in two reports in a row
     (the slowed rank scores about 0.07 in every report; healthy ranks scored 0.29, and once 0.14 in a single report
@@ -100,6 +125,7 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
     to 0.24 while other jobs ran).
     """
     return [
+        f"dataset.blend=[[{args.data!r}],None]",
         f"train.train_iters={args.train_iters}",
         f"checkpoint.save={run / 'checkpoints'}", f"checkpoint.load={run / 'checkpoints'}",
         f"checkpoint.save_interval={args.save_interval}", "checkpoint.async_save=true", "checkpoint.most_recent_k=-1",
@@ -133,7 +159,8 @@ def _train(
         f"--max-restarts={max_restarts}",
         f"--ft-rank-section-timeouts=setup:300,step:{args.step_timeout:g},checkpointing:120",
         "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=30",
-        "-m", ENTRY, *training_overrides(args, run, args.run_dir / "tensorboard" / label), *overrides,
+        "-m", *ENTRY, *MODEL_OVERRIDES, *training_overrides(args, run, args.run_dir / "tensorboard" / label),
+        *overrides,
         f"fault_injection.ledger={ledger}",
         *([f"fault_injection.faults={spec}"] if spec else []),
     ]  # fmt: skip
@@ -185,6 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         schedule.check(faults, plan)
         _check_overrides(overrides)
         _prepare_run_dir(args.run_dir)
+        if args.data is None:
+            args.data = prepare_corpus(args.run_dir / "data")
     except ValueError as err:
         print(f"drill: {err}", file=sys.stderr)
         return 2

@@ -103,7 +103,7 @@ def _pretrain(
     cfg = global_state.cfg
     start_time = time.time()
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
-    from megatron.bridge.data.builders import build_train_valid_test_data_iterators
+    from megatron.bridge.data.builders import build_train_valid_test_data_iterators, started
     from megatron.bridge.models.distributed import provide_distributed_model
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
@@ -210,6 +210,7 @@ def _pretrain(
                 else None
             ),
         )
+        data_iterator = started(data_iterator)  # loader workers start inside ``setup``, not the first step
         eval_forward_step = prepare_forward_step_func(forward_step_func, global_state)  # training wraps it more
         registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
         fault_tolerance.maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed)

@@ -243,9 +243,9 @@ def llama32_1b_pretrain_config(**user_kwargs: Any) -> ConfigContainer:
 
 
 def llama3_tiny_pretrain_config(**user_kwargs: Any) -> ConfigContainer:
-    """The CPU-sized Llama (4 layers, width 128, GQA 4/2) on 2 ranks; byte-level tokenizer on real data.
+    """The CPU-sized Llama (4 layers, width 64, GQA 4/2) on 2 ranks; byte-level tokenizer on real data.
 
-    Defaults: 40 iterations of 8 x 128 tokens, a checkpoint every 10, a log line every step, two loader workers
+    Defaults: 40 iterations of 8 x 64 tokens, a checkpoint every 10, a log line every step, two loader workers
     per rank, the distributed optimizer. Give ``data_paths`` (e.g. the corpus ``megatron.bridge.data.preprocess``
     made) for real data; without them the mock stream with the byte-level vocabulary.
     """
@@ -253,7 +253,7 @@ def llama3_tiny_pretrain_config(**user_kwargs: Any) -> ConfigContainer:
         "train_iters": 40,
         "global_batch_size": 8,
         "micro_batch_size": 2,
-        "seq_length": 128,
+        "seq_length": 64,
         "lr": 3e-3,
         "min_lr": 3e-4,
         "lr_warmup_iters": 4,
