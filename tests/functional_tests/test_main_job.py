@@ -38,6 +38,10 @@ def test_the_drill_passes_and_prints_the_table(main_job):
     assert "final state EQUAL to the fault-free run" in out.stdout
     assert "goodput: 0." in out.stdout
     assert "iteration 50/100" in out.stdout, "progress is shown while it runs"
+    # The CPU Llama recipe on a corpus the job made itself, with two pipeline stages.
+    assert "[drill] corpus: " in out.stdout and "byte-level tokens" in out.stdout
+    log = (run_dir / "train.log").read_text()
+    assert "tensor parallel 1, pipeline parallel 2, data parallel 1" in log
 
 
 def test_every_fault_was_detected_and_recovered(main_job):

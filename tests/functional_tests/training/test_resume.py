@@ -22,18 +22,6 @@ def test_resume_is_bit_identical(reference_tp1, interrupted_tp1, interrupted_cop
     _assert_resumed_like_reference(first, second, reference, interrupted_copy, reference_ckpt)
 
 
-def test_resume_with_tensor_parallel_2(tmp_path):
-    tp2 = ("model.tensor_model_parallel_size=2", "train.global_batch_size=4")
-    reference = torchrun(tmp_path / "ref", *tp2)
-    assert reference.exit_code == 0, tail(reference)
-    first = torchrun(tmp_path / "ckpt", *tp2, "train.exit_interval=6")
-    assert first.exit_code == 20, tail(first)
-    second = torchrun(tmp_path / "ckpt", *tp2)
-    assert second.exit_code == 0, tail(second)
-    assert "tensor parallel 2" in second.output
-    _assert_resumed_like_reference(first, second, reference, tmp_path / "ckpt", tmp_path / "ref")
-
-
 def test_async_save_resume_matches_sync_reference(reference_tp1, tmp_path):
     reference, reference_ckpt = reference_tp1
     first = torchrun(tmp_path / "ckpt", "checkpoint.async_save=true", "train.exit_interval=6")
