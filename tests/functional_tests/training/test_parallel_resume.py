@@ -97,3 +97,21 @@ def test_a_killed_run_resumes_bit_identically_from_either_tier(layout, corpus, t
     assert_same_state(
         checkpoint_state(tmp_path / "global-only" / "iter_0000008"), checkpoint_state(tmp_path / "ref" / "iter_0000008")
     )
+
+
+def test_interleaved_pipeline_stages_train_and_resume_bit_identically(corpus, tmp_path):
+    """Two pipeline stages of two virtual stages each: one model chunk per layer, each with its own data iterator."""
+    vp = ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"]
+    reference = _run(tmp_path / "ref", corpus, vp)
+    assert reference.exit_code == 0, tail(reference)
+    ref_losses = reference.losses()
+    assert sorted(ref_losses) == list(range(1, 9)), tail(reference)
+    first = _run(tmp_path / "ckpt", corpus, vp, "train.exit_interval=4")
+    assert first.exit_code == 20, tail(first)
+    second = _run(tmp_path / "ckpt", corpus, vp)
+    assert second.exit_code == 0, tail(second)
+    assert second.losses() == {i: ref_losses[i] for i in range(5, 9)}, tail(second)
+    state = checkpoint_state(tmp_path / "ckpt" / "iter_0000008")
+    # Every layer of the 4 chunks (2 stages x 2 virtual stages) is in the checkpoint under its global number.
+    assert all(any(f"/shard_{layer}_4." in key for key in state) for layer in range(4))
+    assert_same_state(state, checkpoint_state(tmp_path / "ref" / "iter_0000008"))

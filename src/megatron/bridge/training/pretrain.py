@@ -2,12 +2,13 @@
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
@@ -228,7 +229,7 @@ def _pretrain(
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            data_iterator=rerun.wrap_data_iterator(data_iterator),
+            data_iterator=per_chunk(data_iterator, len(model), rerun.wrap_data_iterator),
             # Every loss is checked where the loss function computes it; straggler detection times the forward.
             forward_step_func=straggler.wrap_forward_step(check_losses(faults.wrap_forward_step(eval_forward_step))),
             checkpoints=checkpoints,
@@ -240,7 +241,7 @@ def _pretrain(
             start_time=start_time,
             callbacks=CallbackManager.chain(features, callbacks),
             user_wants_losses=should_fire(callbacks, "on_train_step_end"),
-            valid_data_iterator=valid_iterator,
+            valid_data_iterator=per_chunk(valid_iterator, len(model)),
             eval_forward_step_func=eval_forward_step,
             **({"report_progress": restart.ping} if restart is not None else {}),  # else: the no-op default
         )
@@ -274,6 +275,17 @@ def _pretrain(
         # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
         # restart into this thread. A step the restart interrupts runs again in the wrapper's finalize step.
         teardown()
+
+
+def per_chunk(iterator: Any, chunks: int, wrap: Callable[[Any], Any] = lambda it: it) -> Any:
+    """``wrap(iterator)``, or with interleaved pipeline stages one copy per model chunk.
+
+    megatron-core's interleaved schedule reads each chunk's micro-batches from its own iterator; every copy yields
+    the same batches.
+    """
+    if iterator is None or chunks == 1:
+        return None if iterator is None else wrap(iterator)
+    return [wrap(copy) for copy in itertools.tee(iterator, chunks)]
 
 
 def _validation_samples(cfg: ConfigContainer) -> int:
