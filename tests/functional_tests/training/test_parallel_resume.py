@@ -60,6 +60,7 @@ def _run(ckpt: Path, corpus: str, layout: list[str], *extra: str, workers: int =
         f"dataset.num_workers={workers}",
         f"checkpoint.non_persistent_local_ckpt_dir={ckpt.parent / (ckpt.name + '-local')}",
         "checkpoint.non_persistent_ckpt_type=local",
+        f"logger.tensorboard_dir={ckpt.parent / (ckpt.name + '-tensorboard')}",  # not the recipe's ./nemo_experiments
         "checkpoint.non_persistent_save_interval=2",
         *layout,
         *extra,
