@@ -1,4 +1,7 @@
-"""FaultTolerancePlugin through a real nemo_run LocalExecutor: ft_launcher starts 2 ranks and training finishes."""
+"""FaultTolerancePlugin through a real nemo_run LocalExecutor: ft_launcher starts 2 ranks and training finishes.
+
+The task is the generic recipe entry (``examples/pretrain_recipe.py``) running the CPU Llama recipe by name.
+"""
 
 import json
 import os
@@ -16,8 +19,10 @@ _DRIVER = textwrap.dedent(
 
     if __name__ == "__main__":
         ckpt = sys.argv[1]
-        task = run.Script(path="examples/pretrain_tiny_gpt.py", entrypoint="python",
-                          args=["train.train_iters=4", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}"])
+        task = run.Script(path="examples/pretrain_recipe.py", entrypoint="python",
+                          args=["llama3_tiny_pretrain_config", "train.train_iters=4", "dataset.num_workers=0",
+                                f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+                                f"logger.tensorboard_dir={ckpt}-tensorboard"])
         run.run(task, executor=run.LocalExecutor(ntasks_per_node=2),
                 plugins=[FaultTolerancePlugin(num_in_job_restarts=1)], name="tiny_gpt_ft")
         info = run.Experiment.from_title("tiny_gpt_ft").status(return_dict=True)["tiny_gpt_ft"]
@@ -46,4 +51,5 @@ def test_plugin_launches_ft_launcher_and_trains(tmp_path):
     assert "ft_launcher" in out or "ft_launcher" in logs
     assert "[FaultTolerance] section timeouts (from the launcher): setup=600.0s, step=180.0s" in logs + out
     assert "training stopped at iteration 4" in logs + out
+    assert "iteration 4/4 | consumed samples 32 |" in logs + out  # the Llama recipe's global batch of 8
     assert (tmp_path / "ckpt" / "iter_0000004" / "manifest.json").exists()

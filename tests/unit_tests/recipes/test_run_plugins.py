@@ -418,3 +418,16 @@ def test_the_performance_scripts_path_offers_the_same_plugins():
     assert module.FaultTolerancePlugin is run_plugins.FaultTolerancePlugin
     assert module.FaultTolerancePluginScriptArgs is run_plugins.FaultTolerancePluginScriptArgs
     assert module.PreemptionPlugin is run_plugins.PreemptionPlugin
+
+
+def test_a_recipe_run_by_name_keeps_its_name_first_under_the_plugins(nemorun_home):
+    from megatron.bridge.recipes.run_plugins import PreemptionPlugin
+
+    args = ["llama3_tiny_pretrain_config", "train.train_iters=9"]
+    task = run.Script(path="examples/pretrain_recipe.py", entrypoint="python", args=args)
+    executor = run.LocalExecutor(ntasks_per_node=2)
+    FaultTolerancePlugin().setup(task, executor)
+    PreemptionPlugin().setup(task, executor)
+    assert task.args[:2] == ["llama3_tiny_pretrain_config", "train.train_iters=9"]
+    assert "ft.enable_ft_package=True" in task.args and "train.exit_signal_handler=True" in task.args
+    assert Path(task.path).exists()

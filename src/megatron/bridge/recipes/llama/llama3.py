@@ -256,7 +256,7 @@ def llama3_tiny_pretrain_config(**user_kwargs: Any) -> ConfigContainer:
         "seq_length": 64,
         "lr": 3e-3,
         "min_lr": 3e-4,
-        "lr_warmup_iters": 4,
+        "lr_warmup_iters": 2,
         "eval_interval": None,
         "eval_iters": 2,
         "save_interval": 10,
