@@ -37,7 +37,7 @@ STRIKE = 7
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    """A 300 kB corpus of standard library sources, byte-level tokenized: about 2,300 sequences of 128 tokens."""
+    """A 300 kB corpus of standard library sources, byte-level tokenized: about 1,500 sequences of 64 tokens."""
     data = tmp_path_factory.mktemp("corpus")
     write_corpus(str(data / "corpus.jsonl"), max_bytes=300_000)
     prefix = str(data / "stdlib")

@@ -33,6 +33,7 @@ INVALID = [
     (["model.virtual_pipeline_model_parallel_size=2"], 1, "model.virtual_pipeline_model_parallel_size"),
     (["model.pipeline_model_parallel_size=2", "model.variable_seq_lengths=true"], 2, "model.variable_seq_lengths"),
     (["model.num_query_groups=3"], 1, "model.num_query_groups"),
+    (["model.context_parallel_size=2"], 2, "model.context_parallel_size"),
     (
         ["model.num_query_groups=1", "model.tensor_model_parallel_size=2", "train.global_batch_size=4"],
         2,

@@ -45,7 +45,7 @@ SPLITS = ("train", "validation", "test")
 """megatron-core's splits, in its order."""
 CACHE_DIRECTORY = "index-cache"
 """The default index cache: this directory next to the first dataset prefix (see :func:`default_path_to_cache`)."""
-_PREPROCESS = "python -m megatron.bridge.data.preprocess --output-prefix <prefix> ..."
+_PREPROCESS = "python -m megatron.bridge.data.preprocess --input <corpus.jsonl> --output-prefix <prefix>"
 
 
 @dataclass(frozen=True)

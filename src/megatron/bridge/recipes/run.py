@@ -3,7 +3,7 @@ r"""Run any recipe by name with dotted overrides, under any launcher.
 ::
 
     torchrun --nproc-per-node=2 -m megatron.bridge.recipes.run llama3_tiny_pretrain_config \\
-        dataset.blend='[["/data/corpus_text_document"], null]' checkpoint.save=/ckpt
+        "dataset.blend=[['/data/corpus_text_document'],None]" checkpoint.save=/ckpt
     ft_launcher ... -m megatron.bridge.recipes.run llama3_8b_pretrain_config train.train_iters=100
 
 The recipe is a function returning a ``ConfigContainer``: a bare name is looked up in this package's recipe

@@ -193,6 +193,12 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
             "use sizes whose product divides the number of ranks",
         )
     _validate_pipeline(m)
+    if m.context_parallel_size != 1:
+        _fail(
+            "model.context_parallel_size",
+            f"{m.context_parallel_size}: context parallelism is not supported here",
+            "set it to 1 (split long sequences with tensor parallelism and sequence_parallel instead)",
+        )
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
         if getattr(m, name) < 1:
             _fail(f"model.{name}", f"must be >= 1, got {getattr(m, name)}", "set a positive value")

@@ -133,7 +133,8 @@ def render() -> str:
             note = (
                 "`MockGPTDatasetConfig` (shown) and `GPTDatasetConfig` are megatron-core's `GPTDatasetConfig` with "
                 "the data-loader fields of `DataloaderConfig`; `seq_length` is accepted for `sequence_length`. "
-                "Data files (`blend`, `blend_per_split`) are refused until real data is supported."
+                "With data files (`blend`, or `blend_per_split`), megatron-core's `GPTDataset` over indexed "
+                "`.bin`/`.idx` files (checked at `validate()`); without, the mock token stream."
             )
             lines += _table(f.name, MockGPTDatasetConfig, note)
         elif f.name in field_support.REFUSED:
