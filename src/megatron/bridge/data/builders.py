@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from megatron.bridge.data import mock
 from megatron.bridge.data.checks import SPLITS, check_dataset_files, is_mock, path_to_cache
@@ -210,18 +210,17 @@ def build_data_iterator(
     ``loss_mask``, ``position_ids`` (and ``attention_mask`` when the dataset makes one), each ``micro_batch_size``
     rows. ``seed`` seeds the loader's private generator only (workers' seeds): the samples are the dataset's.
     """
-    return iter(
-        DataLoader(
-            _Samples(dataset, split),
-            batch_sampler=mock.PositionedBatchSampler(consumed_samples, micro_batch_size, dp_rank, dp_size),
-            num_workers=num_workers,
-            # Spawned, not forked, and a private generator: the reasons are in mock.build_data_iterator.
-            multiprocessing_context="spawn" if num_workers > 0 else None,
-            persistent_workers=persistent_workers and num_workers > 0,
-            pin_memory=pin_memory and torch.cuda.is_available(),
-            worker_init_fn=worker_init_fn,
-            generator=torch.Generator().manual_seed(seed),
-        )
+    return mock.positioned_iterator(
+        _Samples(dataset, split),
+        seed=seed,
+        consumed_samples=consumed_samples,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        worker_init_fn=worker_init_fn,
     )
 
 

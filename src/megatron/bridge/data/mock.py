@@ -75,13 +75,41 @@ def build_data_iterator(
     persistent_workers: bool = True,
     worker_init_fn: Optional[Callable[[int], None]] = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Iterator of micro-batches for this rank that resumes at ``consumed_samples``.
+    """Mock micro-batches for this rank from ``consumed_samples`` on (see :func:`positioned_iterator`)."""
+    return positioned_iterator(
+        MockGPTDataset(vocab_size, seq_length, seed),
+        seed=seed,
+        consumed_samples=consumed_samples,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        worker_init_fn=worker_init_fn,
+    )
+
+
+def positioned_iterator(
+    dataset: Dataset,
+    *,
+    seed: int,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    worker_init_fn: Optional[Callable[[int], None]] = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Iterator of this rank's micro-batches of ``dataset`` (:class:`PositionedBatchSampler`), mock or real.
 
     ``pin_memory`` applies only where a GPU is present. ``worker_init_fn`` runs in each worker process at its start
     (e.g. to ignore the preemption signal).
     """
     loader = DataLoader(
-        MockGPTDataset(vocab_size, seq_length, seed),
+        dataset,
         batch_sampler=PositionedBatchSampler(consumed_samples, micro_batch_size, dp_rank, dp_size),
         num_workers=num_workers,
         # Workers are spawned, not forked: a rank forks them from a process with dozens of threads (gloo's loops,
