@@ -245,8 +245,10 @@ def llama32_1b_pretrain_config(**user_kwargs: Any) -> ConfigContainer:
 def llama3_tiny_pretrain_config(**user_kwargs: Any) -> ConfigContainer:
     """The CPU-sized Llama (4 layers, width 64, GQA 4/2) on 2 ranks; byte-level tokenizer on real data.
 
-    Defaults: 40 iterations of 8 x 64 tokens, a checkpoint every 10, a log line every step, two loader workers
-    per rank, the distributed optimizer. Give ``data_paths`` (e.g. the corpus ``megatron.bridge.data.preprocess``
+    Defaults: 40 iterations of 8 x 64 tokens, a checkpoint every 10, a log line every step, batches read in the
+    training process (``dataset.num_workers=0``: on a CPU machine a loader worker competes with the ranks for the
+    cores, and waiting on two workers per rank took 11% of the step time here, against about 1-2% in-process), the
+    distributed optimizer. Give ``data_paths`` (e.g. the corpus ``megatron.bridge.data.preprocess``
     made) for real data; without them the mock stream with the byte-level vocabulary.
     """
     defaults = {
@@ -261,7 +263,7 @@ def llama3_tiny_pretrain_config(**user_kwargs: Any) -> ConfigContainer:
         "eval_iters": 2,
         "save_interval": 10,
         "log_interval": 1,
-        "num_workers": 2,
+        "num_workers": 0,
         "split": "90,8,2",
         "byte_level_tokenizer": True,
     }
