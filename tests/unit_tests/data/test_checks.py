@@ -6,8 +6,8 @@ import shutil
 import pytest
 from tests.unit_tests.data.helpers import texts, write_jsonl
 
-from megatron.bridge.data.checks import check_data, check_dataset_files, default_path_to_cache
-from megatron.bridge.data.config import GPTDatasetConfig, MockGPTDatasetConfig
+from megatron.bridge.data.checks import check_dataset_files, default_path_to_cache
+from megatron.bridge.data.config import GPTDatasetConfig
 from megatron.bridge.data.preprocess import preprocess
 from megatron.bridge.data.tokenization import build_tokenizer
 from megatron.bridge.training.config import TokenizerConfig
@@ -37,9 +37,9 @@ def _cfg(blend=None, **fields) -> GPTDatasetConfig:
     )
 
 
-def _refused(cfg, fragment: str, model_vocab_size=None, tokenizer=BYTE_LEVEL) -> str:
+def _refused(cfg, fragment: str) -> str:
     with pytest.raises(ValueError) as err:
-        check_data(cfg, tokenizer, model_vocab_size)
+        check_dataset_files(cfg)
     message = str(err.value)
     assert fragment in message and ". Fix: " in message, message
     return message
@@ -48,8 +48,8 @@ def _refused(cfg, fragment: str, model_vocab_size=None, tokenizer=BYTE_LEVEL) ->
 def test_good_data_passes_returns_the_vocabulary_and_writes_nothing(good, tmp_path):
     prefix = _copy(good, tmp_path)
     before = sorted(os.listdir(tmp_path))
-    assert check_data(_cfg(([prefix], None)), BYTE_LEVEL, model_vocab_size=512) == 512
-    assert check_data(_cfg(([prefix, prefix], [1, 3])), BYTE_LEVEL, None) == 512
+    assert [part.prefix for part in check_dataset_files(_cfg(([prefix], None)))] == [prefix]
+    assert len(check_dataset_files(_cfg(([prefix, prefix], [1, 3])))) == 2
     assert sorted(os.listdir(tmp_path)) == before  # not even the index cache directory
     assert default_path_to_cache(_cfg(([prefix], None))) == str(tmp_path / "index-cache")
 
@@ -111,19 +111,10 @@ def test_a_sequence_length_the_data_cannot_serve_is_refused(good, tmp_path):
     preprocess(source, str(small), build_tokenizer(BYTE_LEVEL), log=lambda _line: None)
     message = _refused(_cfg(([str(small)], None), split="99,1,0"), "dataset.split: gives the validation split")
     assert "sequences 10..10 of the 10" in message and "0 tokens" in message
-    assert check_data(_cfg(([str(small)], None), split="100,0,0"), BYTE_LEVEL) == 512
+    assert check_dataset_files(_cfg(([str(small)], None), split="100,0,0"))
 
 
-def test_a_tokenizer_larger_than_the_model_is_refused(good):
-    message = _refused(
-        _cfg(([good], None)), "model.vocab_size: 256 is smaller than the tokenizer's vocabulary (512", 256
-    )
-    assert "raise model.vocab_size" in message
-    mock = MockGPTDatasetConfig(seq_length=64, random_seed=1, **FLAGS)
-    null = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=200)
-    _refused(mock, "model.vocab_size: 128 is smaller than the tokenizer's vocabulary (200", 128, tokenizer=null)
-    assert check_data(mock, null, 200) == 200
-    _refused(mock, "tokenizer.tokenizer_type: is not set", tokenizer=TokenizerConfig())
+# The tokenizer against the model's vocabulary: validation's check (training/test_config_fields.py).
 
 
 def test_an_index_cache_that_cannot_be_a_directory_is_refused(good, tmp_path):

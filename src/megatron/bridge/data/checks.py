@@ -1,7 +1,8 @@
 """Data checks run before training starts; each failure a ``ValueError`` naming the field or file and the fix.
 
-:func:`check_data` is what config validation calls; :func:`check_dataset_files` is also run by the dataset builder
-(``builders.py``) before megatron-core sees the config. They read the ``.idx`` headers and file sizes and write
+:func:`check_dataset_files` is what config validation calls for real data (after megatron-core's own checks of the
+dataset config; the tokenizer-against-model check is validation's own), and the dataset builder (``builders.py``)
+runs it again before megatron-core sees the config. They read the ``.idx`` headers and file sizes and write
 nothing.
 
 Guards against bad input found late or not at all:
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy
 
-from megatron.bridge.data.tokenization import build_tokenizer
 from megatron.bridge.utils.cpu_shims import before_megatron_core_import
 from megatron.bridge.utils.fields import fail
 
@@ -39,7 +39,6 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset  # noqa
 
 if TYPE_CHECKING:
     from megatron.bridge.data.config import GPTDatasetConfig
-    from megatron.bridge.training.tokenizers.config import TokenizerConfig
 
 SPLITS = ("train", "validation", "test")
 """megatron-core's splits, in its order."""
@@ -58,35 +57,6 @@ class BlendPart:
     """The path prefix of ``<prefix>.bin`` and ``<prefix>.idx``."""
     ranges: tuple[Optional[tuple[float, float]], ...]
     """Per split, the fraction of its sequences it contributes (megatron-core's split matrix row), or ``None``."""
-
-
-def check_data(
-    dataset_cfg: "GPTDatasetConfig", tokenizer_cfg: "TokenizerConfig", model_vocab_size: Optional[int] = None
-) -> int:
-    """Check the tokenizer, the data files and their fit to the model before training; return the vocabulary size.
-
-    Args:
-        dataset_cfg: the dataset config (mock or real); read, never changed.
-        tokenizer_cfg: the tokenizer config; the tokenizer is built (from local files) to learn its vocabulary.
-        model_vocab_size: ``model.vocab_size``; ``None`` skips the size check (the model will take the tokenizer's).
-
-    Returns:
-        The tokenizer's vocabulary size (what ``model.vocab_size`` defaults to).
-
-    Raises:
-        ValueError: ``"<field or file>: <problem>. Fix: <fix>."`` for the first problem found.
-    """
-    vocab_size = build_tokenizer(tokenizer_cfg).vocab_size
-    if model_vocab_size is not None and vocab_size > model_vocab_size:
-        fail(
-            "model.vocab_size",
-            f"{model_vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size} ids): token ids past the "
-            "embedding",
-            "raise model.vocab_size, or leave it None to take the tokenizer's",
-        )
-    if not is_mock(dataset_cfg):
-        check_dataset_files(dataset_cfg)
-    return vocab_size
 
 
 def is_mock(dataset_cfg: Any) -> bool:
@@ -274,7 +244,6 @@ def check_cache_directory(dataset_cfg: "GPTDatasetConfig") -> None:
 __all__ = [
     "BlendPart",
     "check_cache_directory",
-    "check_data",
     "check_dataset_files",
     "default_path_to_cache",
     "is_mock",
