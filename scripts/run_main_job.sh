@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job: the resiliency drill. Sets up the environment, then trains the tiny GPT on 2 ranks under
-# ft_launcher with every resiliency feature on, twice: once fault-free (the reference) and once with a schedule of
+# The main job: the resiliency drill. Sets up the environment, makes a small corpus offline, then trains the CPU
+# Llama recipe (two pipeline stages) on 2 ranks under ft_launcher with every resiliency feature on, twice: once fault-free (the reference) and once with a schedule of
 # real faults (a NaN loss, a killed rank, a preemption signal, a corrupted local checkpoint, a hung rank, a slowed
 # rank). Prints a table of each fault's detection latency, recovery time and steps lost, the job's goodput across
 # restarts, and whether the final weights equal the reference's bit for bit; writes a timeline plot, TensorBoard logs
