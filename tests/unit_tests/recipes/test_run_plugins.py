@@ -194,15 +194,6 @@ UNSUPPORTED_TASKS = [
     pytest.param(
         lambda: run.Script(path="examples/pretrain_tiny_gpt.py"), ValueError, r"entrypoint='python'", id="bash-entry"
     ),
-    pytest.param(
-        lambda: _script("inprocess_restart.enabled=True"), ValueError, r"inprocess_restart.enabled", id="ipr-script"
-    ),
-    pytest.param(
-        lambda: run.Partial(_pretrain_like, config=_with_inprocess_restart()),
-        ValueError,
-        r"inprocess_restart.enabled",
-        id="ipr-partial",
-    ),
 ]
 
 
@@ -431,3 +422,11 @@ def test_a_recipe_run_by_name_keeps_its_name_first_under_the_plugins(nemorun_hom
     assert task.args[:2] == ["llama3_tiny_pretrain_config", "train.train_iters=9"]
     assert "ft.enable_ft_package=True" in task.args and "train.exit_signal_handler=True" in task.args
     assert Path(task.path).exists()
+
+
+def test_a_task_with_inprocess_restart_gets_fault_tolerance_as_its_outer_layer(nemorun_home):
+    task = run.Partial(_pretrain_like, config=_with_inprocess_restart())
+    executor = run.LocalExecutor(ntasks_per_node=2)
+    FaultTolerancePlugin().setup(task, executor)
+    assert task.config.inprocess_restart.enabled and task.config.ft.enable_ft_package
+    assert isinstance(executor.launcher, run.FaultTolerance)  # restarts what in-process restart cannot recover

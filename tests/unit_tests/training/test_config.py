@@ -439,17 +439,18 @@ def test_local_interval_not_shorter_than_global_warns(caplog):
     assert "a global save replaces the local one" in caplog.text
 
 
-def test_liveness_ping_with_inprocess_restart_is_rejected(monkeypatch):
+def test_inprocess_restart_layers_with_ft_preemption_and_liveness_ping(monkeypatch):
     for name, value in {
         "TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2",
+        "FT_RANK_MONITOR_IPC_SOCKET": "/tmp/ft.socket",
     }.items():  # fmt: skip
         monkeypatch.setenv(name, value)
-    base = ["inprocess_restart.enabled=true"]
-    apply_overrides(base_config(), base).validate(world_size=2)  # valid on its own
-    cfg = apply_overrides(base_config(), [*base, "health.liveness_ping_interval=5"])
-    with pytest.raises(ValueError, match=r"^health.liveness_ping_interval: .*in-process restart.*Fix:"):
-        cfg.validate(world_size=2)
+    layered = [
+        "inprocess_restart.enabled=true", "ft.enable_ft_package=true", "train.exit_signal_handler=true",
+        "health.liveness_ping_interval=5", "health.liveness_ping_timeout=30",
+    ]  # fmt: skip
+    apply_overrides(base_config(), layered).validate(world_size=2)  # one run configuration, every layer on
 
 
 def test_liveness_ping_settings_validate():

@@ -120,3 +120,48 @@ def test_every_function_is_a_no_op_when_fault_tolerance_is_off(tmp_path, fake_cl
     untouched = GlobalState()  # setup never ran: nothing to do either
     fault_tolerance.on_training_step_start(untouched)
     fault_tolerance.shutdown(untouched)
+
+
+class LayeredClient(FakeRankMonitorClient):
+    """A fake whose timeouts are upstream's own type, and which records timeouts set on the rank monitor."""
+
+    sections = {"setup": 600.0, "step": 30.0, "checkpointing": 420.0}
+
+    def __init__(self):
+        from nvidia_resiliency_ext.fault_tolerance.data import SectionTimeouts
+
+        super().__init__()
+        self.section_timeouts = SectionTimeouts(section=dict(self.sections), out_of_section=300.0)
+
+    def calculate_and_set_section_timeouts(self, selected_sections, calc_out_of_section, skip_if_not_ready):
+        self.calls.append("calculate")
+        self.section_timeouts.section["step"] = 5.0
+        return True
+
+    def _set_calculated_timeouts(self, new_hb_timeouts, new_section_timeouts):
+        self.calls.append(f"set step={new_section_timeouts.section['step']:g}")
+        self.section_timeouts = new_section_timeouts
+
+
+def test_under_inprocess_restart_hang_timeouts_stay_above_its_hard_timeout(tmp_path, monkeypatch, caplog):
+    import nvidia_resiliency_ext.fault_tolerance as ft_package
+
+    monkeypatch.setattr(ft_package, "RankMonitorClient", LayeredClient)
+    monkeypatch.setenv("RANK", "0")
+    caplog.set_level("INFO", logger=fault_tolerance.__name__)
+    layered = ("ft.enable_ft_package=true", "ft.calc_ft_timeouts=true", "inprocess_restart.enabled=true")
+    cfg, state = _state(tmp_path, *layered, "inprocess_restart.hard_timeout=45")
+    fault_tolerance.setup(cfg, state)  # the launcher's step timeout (30 s) is below the hard timeout: raised
+    client = state.rank_monitor_client
+    assert client.section_timeouts.section == {"setup": 600.0, "step": 45.0, "checkpointing": 420.0}
+    assert "step timeout 30.0s raised to inprocess_restart.hard_timeout=45.0s" in caplog.text
+    fault_tolerance.on_checkpointing_start(state)
+    fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=state)  # learns 5 s: raised again
+    assert client.calls[-2:] == ["calculate", "set step=45"]
+    assert json.loads((tmp_path / "ft_state.json").read_text())["section_timeouts"]["step"] == 45.0
+
+    (tmp_path / "alone").mkdir()
+    cfg, state = _state(tmp_path / "alone", *layered[:2])  # without in-process restart, learned values stand
+    fault_tolerance.setup(cfg, state)
+    fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=state)
+    assert state.rank_monitor_client.section_timeouts.section["step"] == 5.0

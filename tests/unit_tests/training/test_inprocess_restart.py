@@ -52,8 +52,6 @@ def test_documented_settings_validate(ipr_env):
         (["inprocess_restart.heartbeat_timeout=150"], "inprocess_restart.heartbeat_timeout"),  # above barrier (120)
         (["inprocess_restart.soft_timeout=0.5", "inprocess_restart.hard_timeout=2"], "inprocess_restart.soft_timeout"),
         (["dist.distributed_timeout_minutes=1"], "dist.distributed_timeout_minutes"),  # 60 s < hard_timeout 90 s
-        (["train.exit_signal_handler=true"], "train.exit_signal_handler"),
-        (["ft.enable_ft_package=true"], "ft.enable_ft_package"),
     ],
 )
 def test_invalid_settings_name_the_field_and_the_fix(ipr_env, overrides, field_name):
@@ -188,15 +186,13 @@ def test_cleanups_go_on_after_a_failure():
 
 
 @pytest.mark.parametrize("plugin_name", ["FaultTolerancePlugin", "PreemptionPlugin"])
-def test_nemo_run_plugins_refuse_a_task_with_inprocess_restart(plugin_name):
+def test_nemo_run_plugins_take_a_task_with_inprocess_restart(plugin_name):
     run = pytest.importorskip("nemo_run")
     from megatron.bridge.recipes import run_plugins
 
     task = run.Script(path="examples/pretrain_tiny_gpt.py", entrypoint="python", args=["inprocess_restart.enabled=on"])
-    executor = run.LocalExecutor(ntasks_per_node=2)
-    with pytest.raises(ValueError, match="cannot be combined with inprocess_restart.enabled=true"):
-        getattr(run_plugins, plugin_name)().setup(task, executor)
-    assert task.args == ["inprocess_restart.enabled=on"] and executor.launcher is None  # nothing changed
+    getattr(run_plugins, plugin_name)().setup(task, run.LocalExecutor(ntasks_per_node=2))
+    assert task.args[0] == "inprocess_restart.enabled=on" and len(task.args) > 1  # layered: the plugin adds its own
 
 
 def test_maybe_wrap_returns_the_function_and_a_store_as_megatron_bridge_does(ipr_env):

@@ -204,12 +204,10 @@ class FaultTolerancePlugin(run.Plugin):
 
         Raises:
             TypeError: If the task is neither a ``run.Script`` nor a ``run.Partial`` with a ``config``.
-            ValueError: If a Python file is not run by Python, a Slurm executor has no job directory yet, or the task
-                enables in-process restart.
+            ValueError: If a Python file is not run by Python or a Slurm executor has no job directory yet.
         """
         name = type(self).__name__
         config = _check_task(task, name, launcher_replaced=True)
-        _reject_inprocess_restart(task, config, name)
         text = self.ft_launcher_config_yaml()
         cfg_path, setup_lines = None, None
         if isinstance(executor, run.SlurmExecutor):
@@ -325,11 +323,8 @@ class PreemptionPlugin(run.Plugin):
 
         Raises:
             TypeError: If the task is neither a ``run.Script`` nor a ``run.Partial`` with a ``config``.
-            ValueError: If the task enables in-process restart.
         """
-        name = type(self).__name__
-        config = _check_task(task, name, launcher_replaced=False)
-        _reject_inprocess_restart(task, config, name)
+        config = _check_task(task, type(self).__name__, launcher_replaced=False)
         slurm = isinstance(executor, run.SlurmExecutor)
         changes: list[str] = []
         if self.enable_exit_handler:
@@ -357,28 +352,6 @@ def _set_script_args(task: Any, overrides: list[str]) -> list[str]:
     keys = tuple(f"{arg.split('=', 1)[0].lstrip('+')}=" for arg in overrides if "=" in arg)
     task.args = [arg for arg in (task.args or []) if not str(arg).lstrip("+").startswith(keys)] + list(overrides)
     return list(overrides)
-
-
-def _reject_inprocess_restart(task: Any, config: Any, plugin: str) -> None:
-    """Refuse a task that enables in-process restart (seed pitfall 3), before anything is changed.
-
-    Raises:
-        ValueError: ``inprocess_restart.enabled=true`` is among the task's arguments, or set in its config.
-    """
-    enabling = {f"inprocess_restart.enabled={v}" for v in ("true", "yes", "on")}  # the override parser's spellings
-    if config is not None:
-        section = getattr(config, "inprocess_restart", None)
-        enabled = bool(section is not None and getattr(section, "enabled", False))
-    else:
-        enabled = any(str(arg).strip().lower().lstrip("+") in enabling for arg in task.args or [])
-    if enabled:
-        raise ValueError(
-            f"{plugin} cannot be combined with inprocess_restart.enabled=true: in-process restart terminates hung "
-            "ranks with SIGTERM and restarts inside the processes, which the plugin's launcher and signal handling "
-            "would take for a failure or a preemption. Fix: drop the plugin and launch with "
-            "`srun --kill-on-bad-exit=0 python -m megatron.bridge.launch ...` (or ft_launcher without the plugin), "
-            "or set inprocess_restart.enabled=false"
-        )
 
 
 def _write_local_cfg(text: str) -> str:

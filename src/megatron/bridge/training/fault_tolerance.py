@@ -14,11 +14,19 @@ When training ends with a code whose action is *stop* although the job did not f
 validation and re-running cannot help), every rank asks ft_launcher to shut the workload down instead of restarting
 it, and the finished flag keeps a requeueing job script from starting it again.
 
+Layered under in-process restart (``inprocess_restart.enabled``), the rank monitor is the outer layer: a rank hung in
+a way in-process restart can abort (a stalled rank, a collective waiting on it) must be restarted in place, and only
+a rank it cannot abort (stopped, stuck in a system call) falls through to the monitor's kill and ft_launcher's in-job
+restart. So the ``step`` and ``checkpointing`` timeouts (or the subsequent heartbeat timeout), given or learned, are
+kept at least ``inprocess_restart.hard_timeout``: by then the inner layer has recovered or terminated the rank. Each
+in-process restart iteration reconnects to the rank monitor and opens ``setup`` again.
+
 With ``ft.calc_ft_timeouts``, the ``step`` and ``checkpointing`` timeouts are computed from what this run observed
 (the launcher's safety factor times the longest time seen) after every checkpoint save, written atomically to
 ``ft_state.json`` in the save directory, and loaded from the load directory by the next run.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +38,7 @@ from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import ConfigContainer, FaultToleranceConfig
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.fault_injection import Fault
+from megatron.bridge.utils import upstream
 from megatron.bridge.utils.fs import atomic_write, atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -38,6 +47,7 @@ SECTIONS = ("setup", "step", "checkpointing")
 LEARNED_SECTIONS = ("step", "checkpointing")
 STATE_FILE = "ft_state.json"
 RANK_MONITOR_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+SET_TIMEOUTS = "nvidia_resiliency_ext.fault_tolerance.rank_monitor_client:RankMonitorClient._set_calculated_timeouts"
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -56,6 +66,7 @@ class FaultTolerance:
         self._client = None
         self._use_sections = False
         self._monitor_lost = False
+        self._floor_logged = False
 
     @property
     def client(self) -> Any:
@@ -87,6 +98,7 @@ class FaultTolerance:
                 sorted(configured),
             )
             self._send("send_heartbeat")
+        self._keep_above_inprocess_restart()
         self._log_timeouts("loaded from " + STATE_FILE if state else "from the launcher")
 
     def on_setup_end(self) -> None:
@@ -201,8 +213,40 @@ class FaultTolerance:
         else:
             ok = self._client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
         if ok:
+            self._keep_above_inprocess_restart()
             self._log_timeouts("calculated")
             self._write_state()
+
+    def _keep_above_inprocess_restart(self) -> None:
+        """Raise hang timeouts below ``inprocess_restart.hard_timeout`` to it: in-process restart acts first."""
+        ipr = self.cfg.inprocess_restart
+        if ipr is None or not ipr.enabled or self._monitor_lost:
+            return
+        floor = float(ipr.hard_timeout)
+        if self._use_sections:
+            current = self._client.section_timeouts
+            low = {n: t for n, t in current.section.items() if n in LEARNED_SECTIONS and t is not None and t < floor}
+            if not low:
+                return
+            update = {"new_hb_timeouts": None, "new_section_timeouts": dataclasses.replace(
+                current, section={**current.section, **dict.fromkeys(low, floor)}
+            )}  # fmt: skip
+        else:
+            current = self._client.hb_timeouts
+            low = {"heartbeat": current.subsequent} if current.subsequent is not None else {}
+            if not low or current.subsequent >= floor:
+                return
+            update = {"new_hb_timeouts": dataclasses.replace(current, subsequent=floor), "new_section_timeouts": None}
+        upstream.bound(self._client, SET_TIMEOUTS)(**update)
+        if self.rank == 0:
+            logger.log(
+                logging.DEBUG if self._floor_logged else logging.INFO,
+                "[FaultTolerance] %s raised to inprocess_restart.hard_timeout=%.1fs: in-process restart recovers "
+                "a hang first, the rank monitor only what it cannot abort",
+                ", ".join(f"{name} timeout {t:.1f}s" for name, t in low.items()),
+                floor,
+            )
+            self._floor_logged = True
 
     def _log_timeouts(self, origin: str) -> None:
         if self.rank != 0:

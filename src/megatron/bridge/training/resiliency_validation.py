@@ -163,7 +163,7 @@ def _validate_rerun(cfg: ConfigContainer) -> None:
 
 
 # The environment in-process restart needs (see docs/training/resiliency.md).
-_INPROCESS_ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+INPROCESS_ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
 
 
 def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_port_offset: int) -> None:
@@ -215,12 +215,12 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_por
             "collective watchdog would kill the process before in-process restart could recover it",
             f"raise it above {ipr.hard_timeout / 60:.1f} min or lower {p}.hard_timeout",
         )
-    missing = {k: v for k, v in _INPROCESS_ENV.items() if os.environ.get(k) != v}
+    missing = {k: v for k, v in INPROCESS_ENV.items() if os.environ.get(k) != v}
     if missing:
         _fail(
             f"{p}.enabled",
             "in-process restart needs the environment "
-            + ", ".join(f"{k}={v}" for k, v in _INPROCESS_ENV.items())
+            + ", ".join(f"{k}={v}" for k, v in INPROCESS_ENV.items())
             + " (quiet c10d logs on abort, NCCL errors that do not kill the process, NVLink SHARP off); not set: "
             + ", ".join(f"{k} (is {os.environ.get(k)!r})" for k in missing),
             "export " + " ".join(f"{k}={v}" for k, v in missing.items()) + " in the job script before launching",
@@ -239,21 +239,6 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_por
             f"{p}.granularity",
             '"node" groups ranks by host and needs LOCAL_WORLD_SIZE (ranks per node), which is not set',
             'launch with torchrun/megatron.bridge.launch/ft_launcher (they set it), or use granularity "rank"',
-        )
-    if cfg.train.exit_signal_handler:
-        _fail(
-            "train.exit_signal_handler",
-            "cannot be combined with in-process restart (the preemption path, e.g. NeMo-Run's PreemptionPlugin): the "
-            "wrapper terminates hung ranks with SIGTERM, which the handler would take for a preemption and save on",
-            "set train.exit_signal_handler=false, or inprocess_restart.enabled=false to use preemption handling",
-        )
-    if cfg.ft.enable_ft_package:
-        _fail(
-            "ft.enable_ft_package",
-            "cannot be combined with in-process restart in this version: FT's section timers would see the "
-            "in-process restart as a hang and restart the job under it",
-            "set ft.enable_ft_package=false and launch under ft_launcher (--max-restarts) to keep in-job restart as "
-            "the fallback when in-process restart gives up",
         )
 
 
@@ -285,13 +270,6 @@ def _validate_health(cfg: ConfigContainer) -> None:
             f"{h.liveness_ping_timeout} s is not below dist.distributed_timeout_minutes="
             f"{cfg.dist.distributed_timeout_minutes} min: a lost rank would hit the collectives' own timeout first",
             "lower health.liveness_ping_timeout (seconds to a minute is typical)",
-        )
-    if cfg.inprocess_restart.enabled:
-        _fail(
-            "health.liveness_ping_interval",
-            "cannot be combined with in-process restart, which already watches every rank (heartbeats, "
-            "inprocess_restart.soft_timeout) and restarts in place; the ping would turn that restart into an exit 24",
-            "set health.liveness_ping_interval=0 with inprocess_restart.enabled=true",
         )
 
 

@@ -248,6 +248,11 @@ SYMBOLS: tuple[Symbol, ...] = (
         "patch",
         "ft_launch.py: the workers' store port is picked outside the kernel's ephemeral range",
     ),
+    Symbol(
+        "nvidia_resiliency_ext.fault_tolerance.rank_monitor_client:RankMonitorClient._set_calculated_timeouts",
+        "call",
+        "fault_tolerance.py: hang timeouts kept above inprocess_restart.hard_timeout (the outer layer)",
+    ),
     _torch_global(
         "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager", "torch.cuda.synchronize after a save"
     ),
