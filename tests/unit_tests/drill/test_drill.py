@@ -29,11 +29,11 @@ def _step(seconds: float, it: int) -> str:
 
 
 def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
-    faults = schedule.parse("default")
-    assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
+    faults = schedule.parse("default")  # a stopped rank (hang) only shows the layer under stall's: left to --faults
+    assert sorted(f.kind for f in faults) == sorted(set(schedule.KINDS) - {"hang"})
     assert [f.iteration for f in faults] == sorted(f.iteration for f in faults)
     schedule.check(faults, PLAN)
-    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,hang@47:1,slow@48:1:x20"
+    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,stall@47:1,slow@48:1:x20"
 
 
 @pytest.mark.parametrize(

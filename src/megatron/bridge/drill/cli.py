@@ -22,6 +22,7 @@ from megatron.bridge.drill import events, report, runner, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
 from megatron.bridge.training import fault_injection
 from megatron.bridge.training.fault_injection import struck_faults
+from megatron.bridge.training.resiliency_validation import INPROCESS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ training process (loader workers are fresh interpreters that would compete with 
 restart; the exact-resume drills run with them)."""
 CORPUS_BYTES = 2_000_000
 """Text of the drill's corpus: the first Python standard library sources, byte-level tokenized."""
+WORKERS_STOP_TIMEOUT = 0.5
+"""Seconds ft_launcher waits for the survivors to exit after its SIGTERM before it SIGKILLs them (restart teardown)."""
 FT_LAUNCHER = "megatron.bridge.ft_launch"
 """ft_launcher without its port race (``python -m``), run by the drill's own interpreter (see :func:`_ft_launcher`)."""
 
@@ -116,7 +119,13 @@ def prepare_corpus(data_dir: Path) -> str:
 
 
 def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -> list[str]:
-    """The drill's data and every resiliency feature on (in-process restart excepted: an alternative to in-job restart).
+    """The drill's data and every resiliency feature on, in-process restart layered inside in-job restart.
+
+    The rank monitor's sections, preemption handling and the liveness ping work in every layer.
+
+    In-process restart declares a rank hung after 6 s without a finished step or save (a step takes well under a
+    second here, a blocking save about one, a restart's setup before its first step 2-3 s under load) and terminates
+    one it cannot abort after 15 s; the rank monitor's step timeout is kept above that (``fault_tolerance.py``).
 
     Straggler detection stops the job on a rank scoring below 0.15 against the fastest one in two reports in a row
     (the slowed rank scores about 0.07 in every report; healthy ranks scored 0.29, and once 0.14 in a single report
@@ -138,6 +147,10 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
         "nvrx_straggler.stop_after_consecutive_reports=2",
         "train.exit_signal_handler=true",
         "health.liveness_ping_interval=10", "health.liveness_ping_timeout=30",
+        "inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=6", "inprocess_restart.hard_timeout=15",
+        "inprocess_restart.heartbeat_interval=1", "inprocess_restart.heartbeat_timeout=5",
+        "inprocess_restart.barrier_timeout=60", "inprocess_restart.completion_timeout=60",
+        f"inprocess_restart.monitor_process_logdir={run / 'inprocess'}",
         "logger.log_interval=1", f"logger.tensorboard_dir={tensorboard}",
     ]  # fmt: skip
 
@@ -159,6 +172,9 @@ def _train(
         f"--max-restarts={max_restarts}",
         f"--ft-rank-section-timeouts=setup:300,step:{args.step_timeout:g},checkpointing:120",
         "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=30",
+        # Survivors trap SIGTERM (preemption handling) and in-process restart keeps them busy: the launcher's stop
+        # before a restart would wait its default 30 s for them; their work since the last checkpoint is lost anyway.
+        f"--workers-stop-timeout={WORKERS_STOP_TIMEOUT:g}",
         "-m", *ENTRY, *MODEL_OVERRIDES, *training_overrides(args, run, args.run_dir / "tensorboard" / label),
         *overrides,
         f"fault_injection.ledger={ledger}",
@@ -168,6 +184,7 @@ def _train(
     env = {
         **{k: v for k, v in os.environ.items() if k != fault_injection.ENV},  # the schedule is the only faults
         "PYTHONUNBUFFERED": "1",
+        **INPROCESS_ENV,  # what in-process restart needs in the ranks' environment
         "GROUP_RANK": os.environ.get("GROUP_RANK", "0"),
         "MBRIDGE_JOB_START_TIME": f"{start:.3f}",
         "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning"),
@@ -218,7 +235,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"drill: {err}", file=sys.stderr)
         return 2
     run_dir = args.run_dir
-    print(f"[drill] {args.nproc} ranks, {args.train_iters} iterations under ft_launcher, every feature on")
+    print(
+        f"[drill] {args.nproc} ranks, {args.train_iters} iterations under ft_launcher, every feature on "
+        "(in-process restart inside in-job restart)"
+    )
     print(f"[drill] faults: {', '.join(f.label for f in faults) or 'none'}; max restarts {max_restarts}")
     reference_wall, reference_timeline = None, None
     if not args.no_reference:

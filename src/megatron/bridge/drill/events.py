@@ -35,6 +35,7 @@ def _detection_patterns(fault: DrillFault) -> list[re.Pattern]:
     return {
         "kill": [killed],
         "hang": [timed_out, killed],
+        "stall": [re.compile(r"RankShouldRestart\('Interruption\.SOFT_TIMEOUT")],
         "preempt": [re.compile(r"Preemption detected, saving checkpoint and exiting")],
         "nan": [re.compile(rf"Unexpected result nan on rank {fault.rank} at iteration #{fault.iteration}\b")],
         "slow": [re.compile(rf"Straggler detected: Rank={fault.rank} ")],
@@ -45,6 +46,7 @@ def _detection_patterns(fault: DrillFault) -> list[re.Pattern]:
 DETECTED_BY = {
     "kill": "ft_launcher: worker exited (signal 9)",
     "hang": "rank monitor: section timeout",
+    "stall": "in-process restart: no progress for soft_timeout",
     "preempt": "signal handler: all ranks agree to stop",
     "nan": "re-run state machine: NaN loss",
     "slow": "straggler detector: score below threshold",
@@ -53,6 +55,7 @@ DETECTED_BY = {
 RECOVERED_BY = {
     "kill": "in-job restart, resume from newest verified checkpoint",
     "hang": "in-job restart, resume from newest verified checkpoint",
+    "stall": "in-process restart in the same processes, resume from newest verified checkpoint",
     "preempt": "save, exit 18, restart, resume",
     "nan": "step re-run in place (transient)",
     "slow": "save, exit 21, restart, resume",
@@ -204,6 +207,14 @@ def outcomes(timeline: Timeline, faults: list[DrillFault], ledger: list[dict]) -
             _after_load(outcome, timeline, detected.time)
             if outcome.resumed_from is not None:
                 outcome.steps_lost = fault.iteration - outcome.resumed_from
+        elif fault.kind == "stall":  # restarted in the same processes: no launcher restart to claim
+            _after_load(outcome, timeline, detected.time)
+            done = [it for t, it, _ in timeline.steps if t <= detected.time]
+            if outcome.resumed_from is not None and done:
+                rejected = [
+                    int(m.group(1)) for t, m in _matches(timeline, _LOCAL_REJECTED, detected.time, outcome.recovered)
+                ]
+                outcome.steps_lost = done[-1] - max([outcome.resumed_from, *rejected])
         else:
             later = [o.struck for o in result[i + 1 :] if o.fault.kind in RESTARTING and o.struck is not None]
             until = min(later, default=float("inf"))

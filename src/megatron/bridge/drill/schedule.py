@@ -3,7 +3,10 @@
 A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]``:
 
 - ``kill``: the rank SIGKILLs itself when it starts the iteration (a crashed process or a lost node);
-- ``hang``: the rank SIGSTOPs itself (a hung GPU or a deadlock; the process is alive but makes no progress);
+- ``hang``: the rank SIGSTOPs itself (a hung GPU or a deadlock; the process is alive but makes no progress, and
+  answers nothing: in-process restart cannot abort it, so it falls through to a kill and the launcher's restart);
+- ``stall``: the rank stops making progress inside a step while its threads go on (blocked on a lock, a store or a
+  peer), and its peers wait in a collective with it: in-process restart aborts every rank and trains on in place;
 - ``preempt``: the rank receives SIGTERM, as from a scheduler preempting the job;
 - ``nan``: the rank's loss is NaN in the first pass of the iteration (a transient numerical fault);
 - ``slow``: the rank's forward steps take ``factor`` times as long from that iteration on (default 20: a relative
@@ -21,24 +24,29 @@ from typing import Optional
 
 from megatron.bridge.training.fault_injection import Fault
 
-DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,hang@47:1,slow@48:1:x20"
+DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,stall@47:1,slow@48:1:x20"
 """One of each kind, for 100 iterations with global saves every 20 and local ones every 5.
 
 The slowed rank is found by comparing it with the others over the steps between two straggler reports. The detector
 turns its report interval (seconds) into a number of steps once per start, from the median of its first 16 steps;
-``slow`` strikes right after the restart that ``hang`` causes, so most of those steps are slowed and the reports
+``slow`` strikes right after the in-process restart that ``stall`` causes (which loads the corrupted local checkpoint
+of 45, rejects it and resumes from the global one of 40), so most of those steps are slowed and the reports
 come every few (slowed) steps, whatever the machine's speed. Struck later, with the interval measured on fast steps,
 a report could cover more fast steps than slow ones, and the next one come after the end of the run."""
 
-KINDS = ("kill", "hang", "preempt", "nan", "slow", "corrupt-local")
+KINDS = ("kill", "hang", "stall", "preempt", "nan", "slow", "corrupt-local")
 RESTARTING = ("kill", "hang", "preempt", "slow")
-"""Kinds after which the job restarts (``slow``: the straggler stop, exit 21, then the in-job restart)."""
+"""Kinds after which ft_launcher restarts the workers (``slow``: the straggler stop, exit 21, then the in-job
+restart)."""
+RELOADING = (*RESTARTING, "stall")
+"""Kinds after which training resumes from a checkpoint (``stall``: in the same processes)."""
 SLOW_MARGIN = 20
 """Iterations a ``slow`` fault needs before the end: two straggler reports in a row (every second, counted in steps
 from the median of the first 16 steps of each start) whose steps are mostly slowed must come before it."""
 _WORKER_KIND = {
     "kill": "kill",
     "hang": "hang",
+    "stall": "stall",
     "preempt": "sigterm",
     "nan": "nan",
     "slow": "slow",
@@ -132,17 +140,17 @@ def check(faults: list[DrillFault], plan: Plan) -> None:
                 f"--faults: {fault.label}: iteration {fault.iteration} has no local checkpoint (local saves every "
                 f"{plan.local_interval}, except at the global saves every {plan.save_interval}); pick one that has"
             )
-        restart = next((f for f in faults[i + 1 :] if f.kind in RESTARTING), None)
+        restart = next((f for f in faults[i + 1 :] if f.kind in RELOADING), None)
         if restart is None or restart.iteration > fault.iteration + plan.local_interval:
             raise ValueError(
                 f"--faults: {fault.label}: no restart follows before the next local save at iteration "
                 f"{fault.iteration + plan.local_interval}, so nothing would ever load the corrupted checkpoint; "
-                "schedule a kill or a hang in between"
+                "schedule a kill, a hang or a stall in between"
             )
         if restart.kind == "slow" or restart.kind == "preempt":
             raise ValueError(
                 f"--faults: {fault.label} is followed by {restart.label}, which saves a newer checkpoint before the "
-                "restart; follow it with a kill or a hang"
+                "restart; follow it with a kill, a hang or a stall"
             )
     restarts = sum(f.kind in RESTARTING for f in faults)
     if restarts > plan.max_restarts:
