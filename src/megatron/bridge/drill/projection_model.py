@@ -357,4 +357,3 @@ def project(
     w_b = waste([(costs.global_save_s, n_b * costs.step_s, 1.0)], r_b, m)
     g, tau_g, n_g, tau_l, n_l = best
     return Projection(gpus, m, DAY_S / m, tau_g, n_g, tau_l, n_l, g, tau_b, n_b, goodput(w_b))
-

@@ -11,8 +11,9 @@ background write has been committed, a few steps later), ``on_checkpoint_load`` 
 ``on_checkpoint_save_start``/``_end`` (this package's, with a :class:`CallbackContext`) bracket the time the loop is
 blocked on a save.
 
-This package's own features (goodput, fault tolerance, hang attribution, fault injection, liveness ping, straggler
-detection) are callbacks too: :meth:`CallbackManager.chain` puts them, in their documented order, before the user's.
+This package's own features (goodput, the event stream, fault tolerance, hang attribution, fault injection, liveness
+ping, straggler detection) are callbacks too: :meth:`CallbackManager.chain` puts them, in their documented order,
+before the user's.
 """
 
 from collections.abc import Callable, Iterable
@@ -69,6 +70,8 @@ class CheckpointCallbackContext:
     """Its tier: ``checkpointing.CheckpointType.GLOBAL`` or ``.LOCAL``."""
     user_state: dict = field(default_factory=dict)
     """The dict every context of this run carries (see :attr:`CallbackContext.user_state`)."""
+    iteration: Optional[int] = None
+    """The checkpoint's iteration (this package's addition; ``None`` when the caller did not say)."""
 
 
 CallbackEventContext = Union[CallbackContext, CheckpointCallbackContext]
@@ -230,9 +233,16 @@ def fire_event(
 
 
 def fire_checkpoint_event(
-    callback_manager: Optional[CallbackManager], event_name: str, state: Any, checkpoint_name: str, checkpoint_type: Any
+    callback_manager: Optional[CallbackManager],
+    event_name: str,
+    state: Any,
+    checkpoint_name: str,
+    checkpoint_type: Any,
+    iteration: Optional[int] = None,
 ) -> None:
     """Run the callbacks of a checkpoint event with a :class:`CheckpointCallbackContext` (built only when needed)."""
     if should_fire(callback_manager, event_name):
-        context = CheckpointCallbackContext(state, checkpoint_name, checkpoint_type, callback_manager.user_state)
+        context = CheckpointCallbackContext(
+            state, checkpoint_name, checkpoint_type, callback_manager.user_state, iteration=iteration
+        )
         callback_manager.fire(event_name, context)

@@ -20,10 +20,12 @@ from typing import Any, Optional
 import torch
 
 from megatron.bridge.models.distributed import unwrap
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import async_writer, layout, manifest, optimizer_state
 from megatron.bridge.training.checkpoint.local_tier import LocalTier
 from megatron.bridge.training.checkpoint.resume import resolve_resume_path
 from megatron.bridge.training.config import CheckpointConfig
+from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.rng import (
     get_rng_state,
@@ -205,16 +207,17 @@ class CheckpointManager:
         common_extra: entries added to the common part of every checkpoint, global and local tier: name -> a
             function returning plain values, called at each save. Their values may differ between ranks and runs
             (rank 0's are in a global checkpoint); :attr:`loaded_common_extra` holds them after a load.
+        on_saved: called ``(directory, tier, iteration)`` on every rank once a checkpoint is committed.
     """
 
     def __init__(
         self,
         cfg: CheckpointConfig,
         common_extra: Optional[dict[str, Callable[[], Any]]] = None,
-        on_saved: Optional[Callable[[str, CheckpointType], None]] = None,
+        on_saved: Optional[Callable[[str, CheckpointType, int], None]] = None,
     ) -> None:
         self.cfg = cfg
-        self._on_saved = on_saved or (lambda name, kind: None)
+        self._on_saved = on_saved or (lambda name, kind, iteration: None)
         self._common_extra = dict(common_extra or {})
         self.loaded_common_extra: dict[str, Any] = {}
         """The ``common_extra`` entries of the checkpoint :meth:`load` loaded (an entry it lacks is absent)."""
@@ -239,7 +242,10 @@ class CheckpointManager:
 
             self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
         self.local: Optional[LocalTier] = _local_tier(
-            cfg, on_saved=lambda iteration: self._on_saved(cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL)
+            cfg,
+            on_saved=lambda iteration: self._on_saved(
+                cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL, iteration
+            ),
         )
         """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
         self.loaded_local_iteration: Optional[int] = None
@@ -345,7 +351,7 @@ class CheckpointManager:
         on_rank0(publish, "the checkpoint commit")
         self.last_saved_iteration = iteration
         self.last_finalize_seconds = time.perf_counter() - start
-        self._on_saved(layout.iter_dir(root, iteration), CheckpointType.GLOBAL)
+        self._on_saved(layout.iter_dir(root, iteration), CheckpointType.GLOBAL, iteration)
 
     def save_local(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> None:
         """Save the current state into the local tier (same content as a global checkpoint)."""
@@ -437,6 +443,14 @@ class CheckpointManager:
                     ckpt_dir,
                     len(problems),
                     "; ".join(problems[:5]),
+                )
+                event_stream.emit(
+                    EventKind.FAULT_DETECTED,
+                    mechanism=Mechanism.CHECKPOINT_VERIFICATION,
+                    rank=None,
+                    tier="global",
+                    iteration=iteration,
+                    detail=problems[0],
                 )
                 continue
             self._load_dir(ckpt_dir, model, optimizer, scheduler, state)

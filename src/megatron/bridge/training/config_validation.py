@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron.bridge.training.checkpoint.validation import validate_checkpoint
+from megatron.bridge.training.event_stream import directory_problem, resolve_directory
 from megatron.bridge.training.field_support import refused_fields
 from megatron.bridge.training.resiliency_validation import validate_resiliency
 from megatron.bridge.utils.fields import fail as _fail
@@ -80,6 +81,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     _validate_dataset(cfg)
     validate_checkpoint(cfg.checkpoint, world_size)
     _validate_runtime(cfg)
+    _validate_event_dir(cfg)
     validate_resiliency(cfg, world_size, store_port_offset)
 
 
@@ -447,3 +449,13 @@ def _validate_runtime(cfg: ConfigContainer) -> None:
         )
     if cfg.logger.log_interval < 1:
         _fail("logger.log_interval", f"must be >= 1, got {cfg.logger.log_interval}", "use a positive interval")
+
+
+def _validate_event_dir(cfg: ConfigContainer) -> None:
+    """The event stream's directory (``health.event_dir``, default ``<checkpoint.save>/events``) can be created."""
+    directory = resolve_directory(cfg.health.event_dir, cfg.checkpoint.save)
+    problem = directory_problem(directory) if directory is not None else None
+    if problem is not None:
+        origin = "health.event_dir" if cfg.health.event_dir else "health.event_dir (default: <checkpoint.save>/events)"
+        fix = 'use a writable directory, or "" to turn the event stream off'
+        _fail(origin, f"cannot write events to {directory}: {problem}", fix)

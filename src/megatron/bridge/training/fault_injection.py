@@ -48,7 +48,8 @@ both apply (the environment's faults are added to the config's).
 
 The ledger is a file of JSON lines shared by every attempt: a rank appends the fault (its spec, kind, iteration,
 rank, phase, wall-clock time, pid, restart count) just before striking, and later attempts skip what it lists, so a
-schedule can span restarts and the file says when each fault struck.
+schedule can span restarts. It decides what is still due; reports read when each fault struck from the
+``fault_injected`` events every strike writes to the event stream (``event_stream.py``, ledger or not).
 
 A malformed item or an unknown kind is a ``ValueError`` naming the item, the bad part and the expected form (an item
 given twice in one spec, too); the config's ``validate()`` checks both sources before anything starts.
@@ -66,7 +67,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.event_stream import EventKind
 
 if TYPE_CHECKING:  # no import at run time: config.py's validate() parses fault specs with this module
     from megatron.bridge.training.config import FaultInjectionConfig
@@ -107,6 +110,9 @@ PHASES = {
 KINDS = tuple(PHASES)
 _FACTORS = {"slow": 2.0, "spike": 100.0}
 """Kinds that take ``x<factor>``, and their default factor."""
+_SIGNAL_OF = {"hang": int(signal.SIGSTOP), "kill": int(signal.SIGKILL), "sigterm": int(signal.SIGTERM),
+              "sigterm-tree": int(signal.SIGTERM)}  # fmt: skip
+"""The signal each signalling kind sends (in its ``fault_injected`` event)."""
 _SLOW_WINDOW = 16
 """Forward steps whose median ``slow`` multiplies."""
 
@@ -296,9 +302,22 @@ class FaultRegistry:
         return fault
 
     def record(self, fault: Fault) -> None:
-        """``fault`` is about to strike: no longer due in this attempt (unless ``always``); in the ledger, durably."""
+        """``fault`` is about to strike: no longer due in this attempt (unless ``always``); in the ledger, durably.
+
+        Also a ``fault_injected`` event (``event_stream.py``), with or without a ledger: when it struck, for reports.
+        """
         if not fault.always and fault in self._due:
             self._due.remove(fault)
+        event_stream.emit(
+            EventKind.FAULT_INJECTED,
+            rank=fault.rank,
+            fault=str(fault),
+            fault_kind=fault.kind,
+            iteration=fault.iteration,
+            phase=fault.phase,
+            seconds=fault.seconds,
+            signal=_SIGNAL_OF.get(fault.kind),
+        )
         if not self.ledger:
             return
         record = {

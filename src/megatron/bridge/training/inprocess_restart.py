@@ -30,6 +30,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -37,11 +38,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, InProcessRestartConfig
+from megatron.bridge.training.event_stream import EventKind, RestartLayer
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils.optional_imports import require
 
 logger = logging.getLogger(__name__)
+
+MONITOR_THREAD_STORE = "nvidia_resiliency_ext.inprocess.monitor_thread:MonitorThread.store"
+"""The wrapper's store, held by the monitor thread that calls the abort step (listed in ``utils/upstream.py``)."""
 
 
 @dataclass
@@ -106,6 +112,10 @@ def wrap(
             store_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
         )
         current["iteration"] = restart
+        if restart.iteration > 0:
+            event_stream.emit(
+                EventKind.RESTART_ENDED, layer=RestartLayer.IN_PROCESS, inprocess_iteration=restart.iteration
+            )
         logger.log(
             logging.WARNING if restart.iteration > 0 else logging.INFO,
             "in-process restart: iteration %d starts in pid %d as rank %s of %s",
@@ -191,6 +201,7 @@ def build_wrapper(
         """Abort: abort every process group (closing its connections) so that every blocked collective fails."""
 
         def __call__(self, state: Any) -> Any:
+            _report_interruption(state)
             abort_process_groups()
             return state
 
@@ -267,3 +278,25 @@ def _layers(inprocess: Any, cfg: InProcessRestartConfig, active: int) -> list[An
             )
         )
     return layers
+
+
+def _report_interruption(state: Any) -> None:
+    """Events for an in-process restart about to begin: each rank's interruption (its cause), then the restart.
+
+    The wrapper's monitor thread calls the abort step right after it locked the interruption records in the
+    wrapper's store (its own ``store``): they are read back from there, typed.
+    """
+    store = getattr(threading.current_thread(), MONITOR_THREAD_STORE.rsplit(".", 1)[-1], None)
+    try:
+        records = store.get_interruption_records() if store is not None else []
+    except Exception:  # noqa: BLE001 - observation only: a store gone with a dead host must not stop the restart
+        records = []
+    for record in records:
+        event_stream.emit(
+            EventKind.FAULT_DETECTED,
+            mechanism=event_stream.inprocess_mechanism(record.interruption),
+            rank=record.rank,
+            local_rank=None,
+            detail=f"{record.interruption} on rank {record.rank}",
+        )
+    event_stream.emit(EventKind.RESTART_BEGUN, layer=RestartLayer.IN_PROCESS, inprocess_iteration=state.iteration + 1)

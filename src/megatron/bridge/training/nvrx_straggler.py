@@ -9,8 +9,9 @@ detector into a number of steps that is the same on every rank, all ranks build 
 
 Rank 0 logs the report in the format NeMo users know (``GPU relative performance:``, ``Worst performing N/M
 ranks:``, ``Rank=… Node=… Score=…``, ``Straggler report processing time: … sec.``) and flags every rank whose score
-is below its threshold. With ``stop_if_detected`` rank 0 broadcasts the decision, so all ranks stop after the same
-step (the train loop then saves and exits with ``ExitCode.STRAGGLER_STOP``).
+is below its threshold (and writes the scores as a ``straggler_report`` event, each flagged rank as a
+``fault_detected`` one: ``event_stream.py``). With ``stop_if_detected`` rank 0 broadcasts the decision, so all
+ranks stop after the same step (the train loop then saves and exits with ``ExitCode.STRAGGLER_STOP``).
 
 Without CUDA there are no kernel timings: the scores then come from the forward step's wall time, which excludes
 the gradient all-reduce (in the whole step every rank waits for the slowest one, so all would look alike), and
@@ -36,8 +37,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
+from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.utils.dist import broadcast_from_rank0
 from megatron.bridge.utils.optional_imports import straggler_package
@@ -252,6 +255,7 @@ class NVRxStragglerDetectionManager:
             logger.info("%s", report.format(self.config.num_gpu_perf_scores_to_print))
             for line in report.flagged():
                 logger.warning("Straggler detected: %s", line)
+            _emit_report(report)
             if self.config.enable_logging:
                 result.scalars = report.scalars()
             flagged = report.flagged_ranks()
@@ -315,6 +319,28 @@ class NVRxStragglerDetectionManager:
         if self._detector is not None:
             self._detector.shutdown()
             self._detector = None
+
+
+def _emit_report(report: StragglerReport) -> None:
+    """Rank 0: the report's scores as a ``straggler_report`` event, and a ``fault_detected`` per flagged rank."""
+    by_kind = {("relative" if "relative" in b.title else "individual"): b for b in report.blocks}
+    scores = {f"{kind}_scores": dict(block.scores) for kind, block in by_kind.items()}
+    flagged = sorted(report.flagged_ranks())
+    event_stream.emit(
+        EventKind.STRAGGLER_REPORT, iteration=report.iteration, flagged=flagged, detail=report.source, **scores
+    )
+    for block in report.blocks:
+        for rank in block.flagged():
+            event_stream.emit(
+                EventKind.FAULT_DETECTED,
+                mechanism=Mechanism.STRAGGLER_SCORE,
+                rank=rank,
+                local_rank=None,  # the flagged rank's is not known here (rank 0 writes)
+                iteration=report.iteration,
+                score=block.scores[rank],
+                threshold=block.threshold,
+                detail=block.title,
+            )
 
 
 class StragglerCallback(Callback):

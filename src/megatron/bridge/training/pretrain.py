@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from megatron.bridge.training import fault_injection, fault_tolerance, job_info
+from megatron.bridge.training import event_stream, fault_injection, fault_tolerance, job_info
 from megatron.bridge.training.callbacks import (
     Callback,
     CallbackManager,
@@ -25,6 +25,7 @@ from megatron.bridge.training.checkpointing import CheckpointManager, Checkpoint
 from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig, is_enabled
 from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.eval import evaluate
+from megatron.bridge.training.event_recorder import EventRecorder
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultToleranceCallback
@@ -109,9 +110,18 @@ def _pretrain(
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
     rank = int(os.environ.get("RANK", "0"))
+    inprocess_iteration = restart.iteration if restart is not None else 0
+    event_stream.configure(
+        event_stream.resolve_directory(cfg.health.event_dir, cfg.checkpoint.save),
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        inprocess_iteration=inprocess_iteration,
+    )
+    recorder = EventRecorder(rank)
     fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
     ft = global_state.fault_tolerance
-    attempt = attempt_name(inprocess_iteration=restart.iteration if restart is not None else 0)
+    attempt = attempt_name(inprocess_iteration=inprocess_iteration)
     attribution_dir = _attribution_dir(cfg)
     hang_watch = HangWatch(
         attribution_dir, attempt, rank, lambda section: _stack_dump_delay(cfg, ft, hang_watch, section)
@@ -120,6 +130,9 @@ def _pretrain(
     # Goodput: an in-process restart iteration is an attempt of its own, from now; the first, from the process start.
     attempt_start = start_time if restart is not None and restart.iteration > 0 else process_start_time()
     goodput = GoodputTracker(_job_id(), attempt, attempt_start, cfg.checkpoint.save, rank)
+    recorder.attempt_started(
+        process_start=process_start_time(), attempt_start=attempt_start, attempt=attempt, job_id=_job_id()
+    )
     hang_watch.open("setup")
     checkpoints = metrics = ctx = None
     # Off when cfg.nvrx_straggler is None: a disabled manager keeps the loop free of ``if`` around each use.
@@ -154,10 +167,14 @@ def _pretrain(
             summarize_earlier_attempts(attribution_dir, attempt)
         liveness.setup()
         straggler.initialize()
+        # Checkpoint events reach the event recorder, then the user's callbacks (the loop's own manager comes later).
+        checkpoint_callbacks = CallbackManager.chain([recorder], callbacks)
         checkpoints = CheckpointManager(
             cfg.checkpoint,
             common_extra={GOODPUT_ENTRY: goodput.snapshot},
-            on_saved=functools.partial(fire_checkpoint_event, callbacks, "on_checkpoint_save", global_state),
+            on_saved=lambda name, kind, iteration: fire_checkpoint_event(
+                checkpoint_callbacks, "on_checkpoint_save", global_state, name, kind, iteration=iteration
+            ),
         )
         global_state.async_calls_queue = checkpoints.async_queue
         metrics = MetricsWriter(cfg.logger, dist.get_rank())
@@ -168,12 +185,14 @@ def _pretrain(
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
         state = global_state.train_state
+        recorder.load_begins()
         checkpoints.load(model, optimizer, scheduler, state)
         state.do_train = state.step < cfg.train.train_iters
         if checkpoints.resumed["tier"] is not None:
             fault_tolerance.on_checkpoint_loaded(checkpoints.resumed["tier"] == "local", global_state)
             kind = CheckpointType(checkpoints.resumed["tier"])
-            fire_checkpoint_event(callbacks, "on_checkpoint_load", global_state, checkpoints.resumed["directory"], kind)
+            where, iteration = checkpoints.resumed["directory"], checkpoints.resumed["iteration"]
+            fire_checkpoint_event(checkpoint_callbacks, "on_checkpoint_load", global_state, where, kind, iteration)
         fire_event(callbacks, "on_data_init_start", global_state, model, optimizer=optimizer, scheduler=scheduler)
         rerun.import_state(checkpoints.loaded_rank_extra)
         goodput.resume(
@@ -218,6 +237,7 @@ def _pretrain(
         faults = StepFaults(dist.get_rank(), registry)
         features = [  # the loop's features, in the order they run at each event (train.py)
             GoodputCallback(goodput),
+            recorder,
             FaultToleranceCallback(),
             HangWatchCallback(hang_watch),
             faults,
@@ -258,6 +278,7 @@ def _pretrain(
             checkpoints.close()
         ft.on_train_end(code)
         goodput.finish(state.step, f"{code.name} (exit code {int(code)})")
+        recorder.exited(int(code), reason)
         if rerun.transient_errors:
             logger.warning(
                 "re-run state machine: %d transient fault(s) detected; each step was re-run and training went on",
@@ -270,6 +291,7 @@ def _pretrain(
             checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
         abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)
         _finish_goodput_unwinding(goodput, err)
+        recorder.exited(_exit_code_of(err), f"{type(err).__name__}: {err}"[:500])
         raise
     finally:
         # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
@@ -298,6 +320,16 @@ def _validation_samples(cfg: ConfigContainer) -> int:
 def _job_id() -> str:
     """The job's identity for goodput: the Slurm job id, else the launcher's run id, else ``local``."""
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+
+
+def _exit_code_of(err: BaseException) -> Optional[int]:
+    """The exit code ``err`` ends the process with (``None`` when an outer layer may still catch it)."""
+    code = getattr(err, "exit_code", None)
+    if code is not None:
+        return int(code)
+    if isinstance(err, SystemExit):
+        return err.code if isinstance(err.code, int) else 1
+    return None
 
 
 def _finish_goodput_unwinding(goodput: GoodputTracker, err: BaseException) -> None:

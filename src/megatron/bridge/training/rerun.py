@@ -18,7 +18,8 @@ What happens next depends on ``rerun_state_machine.rerun_mode``:
 
 The train loop drives a :class:`RerunController` at three moments: :meth:`~RerunController.passes` around the
 forward-backward passes, :meth:`~RerunController.end_step` before the optimizer step, and
-:meth:`~RerunController.export_state` / :meth:`~RerunController.import_state` with checkpoints.
+:meth:`~RerunController.export_state` / :meth:`~RerunController.import_state` with checkpoints. A rank whose loss
+fails a check writes a ``fault_detected`` event (``rerun_nan``, ``rerun_spike``, or ``nan_guard``: ``event_stream.py``).
 """
 
 import functools
@@ -32,8 +33,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import layout
 from megatron.bridge.training.config import RerunStateMachineConfig
+from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.rng import restore_rng_state, snapshot_rng_state
 from megatron.bridge.utils import upstream
@@ -137,6 +140,7 @@ def validate_loss(loss: torch.Tensor) -> None:
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
     machine = get_rerun_state_machine()
+    flagged = machine.rerun_requested
     if _checks.check_for_nan_in_loss and machine.get_mode() != RerunMode.DISABLED:
         # Disabled mode: upstream would raise on this rank alone; RerunController.end_step decides for all ranks.
         machine.validate_result(loss, torch.isnan, NAN_MESSAGE, tolerance=0.0, fatal=True)
@@ -144,6 +148,15 @@ def validate_loss(loss: torch.Tensor) -> None:
     if _checks.check_for_spiky_loss:
         is_spiky = functools.partial(machine.is_unexpectedly_large, threshold=_checks.spiky_loss_factor, context="loss")
         machine.validate_result(loss, is_spiky, SPIKY_MESSAGE, tolerance=0.0, fatal=False)
+    if machine.rerun_requested and not flagged and machine.failed_validation_call is not None:
+        _report_detection(machine.failed_validation_call.caller.message, machine.current_iteration)
+
+
+def _report_detection(message: str, iteration: int) -> None:
+    """A result of this rank just failed a check: a ``fault_detected`` event (the state machine re-runs the step)."""
+    mechanism = Mechanism.RERUN_SPIKE if message == SPIKY_MESSAGE else Mechanism.RERUN_NAN
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    event_stream.emit(EventKind.FAULT_DETECTED, mechanism=mechanism, rank=rank, iteration=iteration, detail=message)
 
 
 @dataclass
@@ -247,6 +260,10 @@ class RerunController:
             return StepVerdict()
         self.consecutive_nan_steps += 1
         where = "this rank" if any(not torch.isfinite(v).all() for v in local) else "another rank"
+        if where == "this rank":
+            event_stream.emit(
+                EventKind.FAULT_DETECTED, mechanism=Mechanism.NAN_GUARD, rank=dist.get_rank(), iteration=step
+            )
         if self.consecutive_nan_steps <= self.cfg.max_consecutive_nan_skips:
             logger.warning(
                 "iteration %d: NaN/Inf loss (seen on %s): optimizer step skipped, gradients dropped (%d of "

@@ -205,7 +205,7 @@ class RerunStateMachineConfig:
 @named_fields
 @dataclass
 class HealthConfig:
-    """Liveness ping, device health checks and hang attribution (stacks of a stuck rank written before it is killed)."""
+    """Liveness ping, device health checks, hang attribution (a stuck rank's stacks) and the event stream."""
 
     liveness_ping_interval: int = 0
     """Every this many steps, all ranks join a one-element all-reduce on a side group with a real timeout, so that a
@@ -220,3 +220,8 @@ class HealthConfig:
     was before a timeout kills it. ``None``: the earliest of half the ft section timeout, half of
     ``inprocess_restart.soft_timeout`` and, for a step, half of ``liveness_ping_timeout`` past the last step's length;
     off when none applies. 0: off."""
+    event_dir: Optional[str] = None
+    """Directory of the structured event stream (``docs/training/events.md``): every rank appends typed JSON lines
+    (attempts, steps, checkpoint saves and loads, faults injected and detected, exits) to
+    ``events-rank<R>.jsonl``; give the launcher the same directory (``--event-dir``) for its restarts and worker
+    exits. ``None``: ``<checkpoint.save>/events`` when ``checkpoint.save`` is set, else off. ``""``: off."""

@@ -1,8 +1,8 @@
 """The training loop, written as the ordered list of moments every step goes through.
 
 The loop's features are callbacks on the same events user callbacks get (``callbacks.py``), run before the user's
-in this order: goodput, fault tolerance, hang attribution, fault injection, liveness ping, straggler detection
-(``pretrain.py`` registers them). One iteration:
+in this order: goodput, the event stream, fault tolerance, hang attribution, fault injection, liveness ping,
+straggler detection (``pretrain.py`` registers them). One iteration:
 
 1. ``on_train_step_start``: goodput (the first step ends this attempt's start-up); fault tolerance opens the
    ``step`` section and hang attribution watches it (this rank's stacks are written if it stays open too long);
@@ -12,7 +12,8 @@ in this order: goodput, fault tolerance, hang attribution, fault injection, live
    machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
    checkpoint; a bad loss soon after a local-tier load stops with 23 instead, that checkpoint deleted); optimizer and
    scheduler step;
-4. ``on_train_step_end``: goodput counts the step as productive when its update was applied (else as ``rerun``);
+4. ``on_train_step_end``: goodput counts the step as productive when its update was applied (else as ``rerun``),
+   the event stream records it (``step_completed``);
    fault tolerance closes ``step`` and hang attribution stops watching; straggler detection counts the step and,
    when a report is due, all ranks score each other (it may ask every rank to stop); then the user's;
 5. count the step; log metrics; goodput rewrites its progress record and logs its scalars;
@@ -36,9 +37,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import eval as evaluation
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import CallbackManager, fire_event
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.goodput import GoodputTracker
 from megatron.bridge.training.losses import reduce_losses
@@ -194,6 +197,13 @@ def start_stop_deadline(ctx: TrainContext) -> Optional[StopDeadline]:
     """On preemption, bound the time left for the save and the exit by ``train.exit_signal_deadline``."""
     seconds = ctx.cfg.train.exit_signal_deadline
     logger.warning("Preemption detected, saving checkpoint and exiting")
+    event_stream.emit(
+        EventKind.FAULT_DETECTED,
+        mechanism=Mechanism.PREEMPTION_SIGNAL,
+        iteration=ctx.state.step,
+        signal=int(ctx.signals.sig),
+        detail="received here" if ctx.signals.received else "received by another rank",
+    )
     if seconds is None:
         return None
     since_signal = time.monotonic() - (ctx.signals.received_at or time.monotonic())

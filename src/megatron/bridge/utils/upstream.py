@@ -69,6 +69,8 @@ class Symbol:
 _RSM = "megatron.core.rerun_state_machine"
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 _LOCAL_MANAGER = "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager"
+_FT_AGENT = "nvidia_resiliency_ext.fault_tolerance.launcher:LocalElasticAgent"
+_RANK_MONITOR = "nvidia_resiliency_ext.fault_tolerance.rank_monitor_server:RankMonitorServer"
 _STRAGGLER = "nvidia_resiliency_ext.straggler"
 _STRAGGLER_NEW = "nvidia_resiliency_ext.attribution.straggler"
 
@@ -247,6 +249,30 @@ SYMBOLS: tuple[Symbol, ...] = (
         "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port",
         "patch",
         "ft_launch.py: the workers' store port is picked outside the kernel's ephemeral range",
+    ),
+    *(
+        Symbol(f"{_FT_AGENT}.{method}", "patch", f"launcher_events.py: {why} (observed, then upstream's runs)")
+        for method, why in (
+            ("_monitor_workers", "worker exits and their codes or signals"),
+            ("_restart_workers", "when an in-job restart begins"),
+            ("_stop_workers", "when the workers are stopped"),
+            ("_initialize_workers", "when the new workers run"),
+        )
+    ),
+    Symbol(f"{_FT_AGENT}._remaining_restarts", "state", "launcher_events.py: the in-job restart count"),
+    Symbol(
+        f"{_RANK_MONITOR}._handle_timeout",
+        "patch",
+        "launcher_events.py: which timeout a rank monitor acts on, before it kills the rank",
+    ),
+    *(
+        Symbol(f"{_RANK_MONITOR}.{attr}", "state", "launcher_events.py: the rank monitor's timeout state")
+        for attr in ("rank_info", "open_sections", "out_of_section_time", "last_hb_time", "start_time", "cfg")
+    ),
+    Symbol(
+        "nvidia_resiliency_ext.inprocess.monitor_thread:MonitorThread.store",
+        "state",
+        "inprocess_restart.py: the interruption records (each rank's cause) are read from it for fault_detected events",
     ),
     Symbol(
         "nvidia_resiliency_ext.fault_tolerance.rank_monitor_client:RankMonitorClient._set_calculated_timeouts",
@@ -463,6 +489,11 @@ def worker_output_files(handler: Any) -> tuple[Optional[str], Optional[str]]:
     """The files a torch elastic ``SubprocessHandler`` opened for its worker's stdout and stderr (``None``: none)."""
     files = (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None))
     return tuple(getattr(f, "name", None) if f is not None else None for f in files)
+
+
+def agent_restart_count(agent: Any) -> int:
+    """In-job restarts an ft_launcher agent has started so far (its restarts left are counted down)."""
+    return int(agent.get_worker_group().spec.max_restarts) - int(agent._remaining_restarts)
 
 
 def set_rerun_state_machine(machine: Any) -> None:

@@ -17,7 +17,8 @@ What upstream lacks and this module adds: the owner of each shard hashes its con
 before the shard leaves it, and the hashes travel inside the shard. On load, every rank verifies each shard it reads
 from disk *before* sending it to a peer, and each rank verifies the shard it ends up with again after the exchange.
 If any rank finds a problem, all ranks agree to discard this local checkpoint (its files are deleted) and the caller
-loads the global one; the log names the bad shard and where it was read.
+loads the global one; the log names the bad shard and where it was read, and every rank writes a ``fault_detected``
+event (mechanism ``local_checkpoint_hash``, ``event_stream.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training import fault_injection
+from megatron.bridge.training import event_stream, fault_injection
+from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.utils import dist as dist_utils
 from megatron.bridge.utils import upstream
 
@@ -472,6 +474,14 @@ class LocalTier:
             len(problems),
             "; ".join(problems[:8]),
             iteration,
+        )
+        event_stream.emit(
+            EventKind.FAULT_DETECTED,
+            mechanism=Mechanism.LOCAL_CHECKPOINT_HASH,
+            rank=None,  # the problems name the bad shard's owner; every rank agreed to discard
+            tier="local",
+            iteration=iteration,
+            detail=problems[0],
         )
         self.discard(iteration)
         return True

@@ -28,6 +28,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Optional
 
+from megatron.bridge.training import event_stream
+from megatron.bridge.training.event_stream import EventKind
+
 logger = logging.getLogger(__name__)
 
 
@@ -118,7 +121,9 @@ class StopDeadline:
         self._timer.start()
 
     def _expire(self) -> None:
-        logger.error("%s", self._describe())
+        reason = self._describe()
+        logger.error("%s", reason)
+        event_stream.emit(EventKind.EXIT, exit_code=self._exit_code, detail=reason)
         for handler in logging.getLogger().handlers:
             handler.flush()
         self._exit_fn(self._exit_code)

@@ -1,0 +1,141 @@
+"""The training loop's part of the event stream: attempts, steps, checkpoint saves and loads, and the exit.
+
+The problem: what a training attempt did (when it started, which steps it completed, what each save and load cost,
+how it ended) was known only from log lines. :class:`EventRecorder` is the loop's feature that writes it as typed
+events (``event_stream.py``): a callback for the loop's events (``on_train_step_end``, ``on_checkpoint_save_start``/
+``_end``, ``on_checkpoint_save``, ``on_checkpoint_load``) plus three calls ``pretrain`` makes where the loop has no
+event: :meth:`attempt_started`, :meth:`load_begins` (to time the load) and :meth:`exited`.
+
+A save is written once it is both committed and no longer blocking the loop, whichever comes last: a synchronous
+save commits inside the blocking call, an asynchronous one commits a few steps later. Its ``seconds`` are the loop's
+blocking time, ``commit_seconds`` the time from the save's start to its commit. Rank 0 adds the checkpoint's size.
+"""
+
+import os
+import time
+from typing import Any, Optional
+
+from megatron.bridge.training import event_stream
+from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.event_stream import EventKind
+
+
+def directory_bytes(path: str, prefix: str = "") -> Optional[int]:
+    """Bytes of the files under ``path`` whose names start with ``prefix``; ``None`` if it cannot be read."""
+    total = 0
+    try:
+        for root, _, files in os.walk(path):
+            for name in files:
+                if name.startswith(prefix):
+                    try:
+                        total += os.path.getsize(os.path.join(root, name))
+                    except OSError:  # removed meanwhile (retention of an older checkpoint)
+                        continue
+    except OSError:
+        return None
+    return total
+
+
+def _tier(checkpoint_type: Any) -> str:
+    return str(getattr(checkpoint_type, "value", checkpoint_type))
+
+
+class EventRecorder(Callback):
+    """Writes this rank's attempt, step, checkpoint and exit events (nothing when no event directory is set).
+
+    Args:
+        rank: this process's global rank (rank 0 measures checkpoint sizes).
+        emit: where events go (default: :func:`event_stream.emit`; tests pass a writer's ``emit``).
+    """
+
+    def __init__(self, rank: int, emit: Any = None) -> None:
+        self.rank = rank
+        self._emit = emit or event_stream.emit
+        self._saves: dict[int, dict[str, Any]] = {}
+        """Iteration -> what is known of its save so far (start, blocking seconds, commit)."""
+        self._current: Optional[int] = None
+        self._load_started: Optional[float] = None
+
+    # -------------------------------------------------------------- calls from pretrain
+
+    def attempt_started(self, **fields: Any) -> None:
+        """The attempt began: ``process_start``, ``attempt_start``, ``attempt``, ``job_id`` (Event fields)."""
+        self._emit(EventKind.ATTEMPT_STARTED, **fields)
+
+    def load_begins(self) -> None:
+        """The checkpoint load starts now (``checkpoint_loaded`` gets its duration from here)."""
+        self._load_started = time.perf_counter()
+
+    def exited(self, code: Optional[int], reason: str) -> None:
+        """The attempt ends with exit ``code`` (``None``: an exception without one)."""
+        self._emit(EventKind.EXIT, exit_code=code, detail=reason)
+
+    # -------------------------------------------------------------- the loop's events
+
+    def on_train_step_end(self, context: Any) -> None:
+        """A step ran: its iteration (counted after this event), time and whether its update was kept."""
+        self._emit(
+            EventKind.STEP_COMPLETED,
+            iteration=context.state.train_state.step + 1,
+            seconds=context.step_time,
+            applied=not context.skipped_iter,
+        )
+
+    def on_checkpoint_save_start(self, context: Any) -> None:
+        """A save of the current iteration starts blocking the loop."""
+        iteration = context.state.train_state.step
+        self._current = iteration
+        self._saves[iteration] = {"start": time.perf_counter()}
+
+    def on_checkpoint_save_end(self, context: Any) -> None:
+        """The loop goes on; a save already committed (synchronous) is written now."""
+        iteration = self._current
+        save = self._saves.get(iteration) if iteration is not None else None
+        if save is None:
+            return
+        save["blocking"] = time.perf_counter() - save["start"]
+        if "committed" in save:
+            self._write_save(iteration)
+
+    def on_checkpoint_save(self, context: Any) -> None:
+        """A checkpoint was committed; written now unless the loop is still blocked on it."""
+        iteration = getattr(context, "iteration", None)
+        if iteration is None:
+            return
+        save = self._saves.setdefault(iteration, {})
+        save.update(committed=time.perf_counter(), tier=_tier(context.checkpoint_type), path=context.checkpoint_name)
+        if "blocking" in save or "start" not in save:  # an async commit, or a save this recorder did not see start
+            self._write_save(iteration)
+
+    def on_checkpoint_load(self, context: Any) -> None:
+        """The attempt resumed from a checkpoint: its tier, iteration, size and load time."""
+        tier = _tier(context.checkpoint_type)
+        iteration = getattr(context, "iteration", None)
+        started, self._load_started = self._load_started, None
+        self._emit(
+            EventKind.CHECKPOINT_LOADED,
+            tier=tier,
+            iteration=iteration,
+            seconds=None if started is None else time.perf_counter() - started,
+            bytes=self._size(context.checkpoint_name, tier, iteration),
+        )
+
+    def _write_save(self, iteration: int) -> None:
+        save = self._saves.pop(iteration)
+        start = save.get("start")
+        self._emit(
+            EventKind.CHECKPOINT_SAVED,
+            tier=save["tier"],
+            iteration=iteration,
+            seconds=save.get("blocking"),
+            commit_seconds=None if start is None else save["committed"] - start,
+            bytes=self._size(save["path"], save["tier"], iteration),
+        )
+
+    def _size(self, path: Optional[str], tier: str, iteration: Optional[int]) -> Optional[int]:
+        """Rank 0: the committed directory of a global checkpoint; its node's files of a local one's iteration."""
+        if self.rank != 0 or not path:
+            return None
+        if tier == "local":
+            return None if iteration is None else directory_bytes(path, f"iter_{iteration:07d}_")
+        return directory_bytes(path)

@@ -1,0 +1,517 @@
+"""The structured event stream: what happened in a job, as typed JSON lines, instead of log text to grep.
+
+The failure it handles: a drill report, a goodput review or a test that reconstructs a job from its logs depends on
+the wording, the timestamp format and the interleaving of log lines from several processes; a reworded message
+silently hides a fault, and a line cut by a SIGKILL can break the parser. Here every process appends typed events
+(a fault injected, a fault detected with its mechanism and rank, a restart begun and ended with its layer, a
+checkpoint saved or loaded with bytes and seconds, a step completed, an exit with its code) to its own file, and
+readers get :class:`Event` objects back. ``docs/training/events.md`` documents schema version :data:`SCHEMA_VERSION`.
+
+How:
+
+* One directory per job; one file per writer: ``events-rank<R>.jsonl`` for a training rank (a restarted rank appends
+  to its predecessor's file), ``events-launcher-<host>.jsonl`` for a node's launcher and its rank monitors.
+* Each event is one line written with a single ``os.write`` on an ``O_APPEND`` descriptor: on a local file system a
+  line is never interleaved with another writer's and never half visible; a SIGKILLed process loses at most the line
+  it was writing. Nothing is buffered in the process (no flush to forget), nothing is fsynced (a machine crash may
+  lose the last lines: this is observation, not state).
+* Writing never raises into the caller: an unwritable directory or a bad field is logged once and the event dropped.
+* :func:`read_events` returns ``(events, problems)``: a truncated line, a line that is not JSON, an unknown version
+  ``v``, an unknown kind, mechanism or layer, a field of the wrong type is a :class:`Problem` naming the file and the
+  line number, and the line is skipped; reading never raises on bad content.
+
+This module is the bottom layer of the training package: it imports nothing but the standard library, so that every
+feature module (fault injection, re-run, straggler detection, local checkpoints, in-process restart) and the
+launcher can emit events without importing each other. Emit through :func:`emit` once :func:`configure` named the
+directory (``pretrain`` does, from ``health.event_dir``); before that, and with no directory, :func:`emit` does
+nothing.
+
+Example:
+    >>> configure("/runs/job/events", rank=0)
+    >>> emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.INPROCESS_SOFT_TIMEOUT, rank=1, iteration=47)
+    >>> events, problems = read_events("/runs/job/events")
+"""
+
+import dataclasses
+import enum
+import glob
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+"""The version every line carries as ``v``. Adding a field, a kind, a mechanism or a layer keeps it (readers ignore
+fields they do not know and report-and-skip values they do not know); changing or removing one bumps it."""
+FILE_GLOB = "events-*.jsonl"
+"""The files of one event directory."""
+DIRECTORY_NAME = "events"
+"""The default directory's name, under ``checkpoint.save``."""
+
+
+class EventKind(enum.StrEnum):
+    """What an event records (``kind`` in the JSON line)."""
+
+    ATTEMPT_STARTED = "attempt_started"
+    """A training attempt began: a worker process started, or an in-process restart iteration."""
+    STEP_COMPLETED = "step_completed"
+    """A training step ran to its end (``applied``: its update was kept)."""
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    """A checkpoint was committed (global or local tier)."""
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    """The attempt resumed from a checkpoint."""
+    FAULT_INJECTED = "fault_injected"
+    """Fault injection is about to make ``rank`` fail (written before the strike)."""
+    FAULT_DETECTED = "fault_detected"
+    """A detection mechanism noticed a fault (``mechanism``; ``rank``: the rank it blames, when it knows)."""
+    RESTART_BEGUN = "restart_begun"
+    """A restart of ``layer`` began (the failure was seen and the restart decided)."""
+    WORKERS_STOPPED = "workers_stopped"
+    """The launcher stopped its workers (the end of an in-job restart's teardown)."""
+    RESTART_ENDED = "restart_ended"
+    """A restart of ``layer`` ended: the new workers (or the new in-process iteration) are running."""
+    WORKER_EXITED = "worker_exited"
+    """The launcher saw a worker process end (``exit_code``, or ``signal`` when a signal killed it)."""
+    STRAGGLER_REPORT = "straggler_report"
+    """Straggler detection scored every rank (rank 0 writes it)."""
+    EXIT = "exit"
+    """A training attempt (or the launcher) ended with ``exit_code``."""
+    LAUNCHER_STARTED = "launcher_started"
+    """A node's launcher began (``process_start``: when its process started): the job's time zero for reports."""
+
+
+class Mechanism(enum.StrEnum):
+    """What detected a fault (``mechanism`` of ``fault_detected``)."""
+
+    LAUNCHER_WORKER_EXIT = "launcher_worker_exit"
+    """The launcher saw a worker exit with a non-zero code or a signal."""
+    RANK_MONITOR_SECTION_TIMEOUT = "rank_monitor_section_timeout"
+    """ft_launcher's rank monitor: a section (``section``; ``out_of_section`` for the time between sections) stayed
+    open past its timeout."""
+    RANK_MONITOR_HEARTBEAT_TIMEOUT = "rank_monitor_heartbeat_timeout"
+    """ft_launcher's rank monitor: no heartbeat within the timeout."""
+    INPROCESS_EXCEPTION = "inprocess_exception"
+    """In-process restart: an exception left the training function on ``rank``."""
+    INPROCESS_SOFT_TIMEOUT = "inprocess_soft_timeout"
+    """In-process restart: no progress on ``rank`` within ``inprocess_restart.soft_timeout``."""
+    INPROCESS_HARD_TIMEOUT = "inprocess_hard_timeout"
+    """In-process restart: no progress within ``inprocess_restart.hard_timeout``; the rank is terminated."""
+    INPROCESS_DEAD_PEER = "inprocess_dead_peer"
+    """In-process restart: ``rank``'s monitor stopped sending heartbeats (the process or node is gone)."""
+    RERUN_NAN = "rerun_nan"
+    """The re-run state machine: a NaN/Inf loss on ``rank`` at ``iteration``."""
+    RERUN_SPIKE = "rerun_spike"
+    """The re-run state machine: a loss far above the largest seen, on ``rank`` at ``iteration``."""
+    NAN_GUARD = "nan_guard"
+    """The loss guard (re-runs off, or a process's first step): a NaN/Inf loss on ``rank``."""
+    PREEMPTION_SIGNAL = "preemption_signal"
+    """``train.exit_signal`` reached a rank; every rank agreed to save and stop."""
+    STRAGGLER_SCORE = "straggler_score"
+    """Straggler detection: ``rank`` scored ``score`` below ``threshold``."""
+    LOCAL_CHECKPOINT_HASH = "local_checkpoint_hash"
+    """A local-tier checkpoint failed its content hashes at load and was discarded."""
+    CHECKPOINT_VERIFICATION = "checkpoint_verification"
+    """A global checkpoint failed verification against its manifest at load; an older one is tried."""
+    LIVENESS_PING = "liveness_ping"
+    """The liveness ping lost ``rank``."""
+
+
+_INPROCESS_INTERRUPTIONS = {
+    "EXCEPTION": Mechanism.INPROCESS_EXCEPTION,
+    "BASE_EXCEPTION": Mechanism.INPROCESS_EXCEPTION,
+    "MONITOR_PROCESS_EXCEPTION": Mechanism.INPROCESS_EXCEPTION,
+    "SOFT_TIMEOUT": Mechanism.INPROCESS_SOFT_TIMEOUT,
+    "HARD_TIMEOUT": Mechanism.INPROCESS_HARD_TIMEOUT,
+    "TERMINATED": Mechanism.INPROCESS_DEAD_PEER,
+    "UNRESPONSIVE": Mechanism.INPROCESS_DEAD_PEER,
+}
+
+
+def inprocess_mechanism(interruption: Any) -> Mechanism:
+    """The mechanism of an in-process restart interruption (nvidia-resiliency-ext's ``Interruption`` or its name)."""
+    name = getattr(interruption, "name", str(interruption)).rsplit(".", 1)[-1]
+    return _INPROCESS_INTERRUPTIONS.get(name, Mechanism.INPROCESS_EXCEPTION)
+
+
+class RestartLayer(enum.StrEnum):
+    """Which layer restarted (``layer`` of ``restart_begun``/``restart_ended``/``workers_stopped``)."""
+
+    IN_PROCESS = "in_process"
+    """The training function ran again in the same processes (nvidia-resiliency-ext's ``inprocess.Wrapper``)."""
+    IN_JOB = "in_job"
+    """The launcher stopped and restarted its worker processes."""
+    REQUEUE = "requeue"
+    """The scheduler started the job again."""
+
+
+class Process(enum.StrEnum):
+    """Which kind of process wrote an event (``process``)."""
+
+    WORKER = "worker"
+    LAUNCHER = "launcher"
+    RANK_MONITOR = "rank_monitor"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event: common fields, then the fields of its kind (``None``: not applicable or unknown).
+
+    ``docs/training/events.md`` lists which fields each kind carries.
+    """
+
+    kind: EventKind
+    time: float
+    """Wall-clock unix seconds when it was written."""
+    mono: Optional[float] = None
+    """``time.monotonic()`` of the writer (Linux: seconds since boot, comparable between processes of one host)."""
+    process: Optional[Process] = None
+    host: Optional[str] = None
+    pid: Optional[int] = None
+    """The writing process."""
+    rank: Optional[int] = None
+    """The global rank the event is about: the writer's for a training process's own events; the worker's for the
+    launcher's; the blamed rank for ``fault_detected``; the target for ``fault_injected``."""
+    local_rank: Optional[int] = None
+    restart_count: Optional[int] = None
+    """In-job restarts before the attempt concerned (``TORCHELASTIC_RESTART_COUNT``); for ``restart_begun`` and
+    ``restart_ended``, the count the restart leads to."""
+    inprocess_iteration: Optional[int] = None
+    """The in-process restart iteration of the attempt (0: the first)."""
+    iteration: Optional[int] = None
+    """The training iteration concerned (1-based: the step that ran, was saved or struck)."""
+    mechanism: Optional[Mechanism] = None
+    layer: Optional[RestartLayer] = None
+    tier: Optional[str] = None
+    """Checkpoint tier: ``"global"`` or ``"local"``."""
+    bytes: Optional[int] = None
+    """Checkpoint size in bytes (rank 0's view: the committed directory, or its node's files of a local one)."""
+    seconds: Optional[float] = None
+    """A duration: the step time; the loop's blocking time of a save; a load; a section's open time at a timeout;
+    a teardown."""
+    commit_seconds: Optional[float] = None
+    """``checkpoint_saved``: seconds from the start of the save to its commit (an async save's background write)."""
+    timeout: Optional[float] = None
+    """``fault_detected``: the timeout that expired."""
+    section: Optional[str] = None
+    """``fault_detected`` by the rank monitor: the section that timed out."""
+    exit_code: Optional[int] = None
+    signal: Optional[int] = None
+    """A signal number: what killed a worker, or the signal a fault or a preemption used."""
+    worker_pid: Optional[int] = None
+    """``worker_exited``: the worker's process id."""
+    applied: Optional[bool] = None
+    """``step_completed``: the step's update was applied (``False``: skipped, e.g. a NaN step)."""
+    fault: Optional[str] = None
+    """``fault_injected``: the fault's spec (``kill@27:1``); ``fault_kind`` and ``phase`` are its parts."""
+    fault_kind: Optional[str] = None
+    phase: Optional[str] = None
+    process_start: Optional[float] = None
+    """``attempt_started``: unix time the process started (a forked worker: the fork)."""
+    attempt_start: Optional[float] = None
+    """``attempt_started``: unix time the attempt started (the process start, or an in-process iteration's start)."""
+    attempt: Optional[str] = None
+    job_id: Optional[str] = None
+    score: Optional[float] = None
+    threshold: Optional[float] = None
+    relative_scores: Optional[dict[int, float]] = None
+    """``straggler_report``: rank -> relative score (``None`` where a rank had no timing)."""
+    individual_scores: Optional[dict[int, float]] = None
+    flagged: Optional[list[int]] = None
+    """``straggler_report``: the ranks below a threshold."""
+    detail: Optional[str] = None
+    """Free text for people (never parse it)."""
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Event)}
+_ENUMS: dict[str, type] = {"kind": EventKind, "mechanism": Mechanism, "layer": RestartLayer, "process": Process}
+_INTS = ("pid", "rank", "local_rank", "restart_count", "inprocess_iteration", "iteration", "bytes", "exit_code",
+         "signal", "worker_pid")  # fmt: skip
+_FLOATS = ("time", "mono", "seconds", "commit_seconds", "timeout", "process_start", "attempt_start", "score",
+           "threshold")  # fmt: skip
+_STRS = ("host", "tier", "section", "fault", "fault_kind", "phase", "attempt", "job_id", "detail")
+_SCORES = ("relative_scores", "individual_scores")
+
+
+# ------------------------------------------------------------------------------------------ JSON form
+
+
+def to_json(event: Event) -> dict[str, Any]:
+    """The JSON object of ``event``: ``v`` first, then every field that is set (enums as their values)."""
+    out: dict[str, Any] = {"v": SCHEMA_VERSION}
+    for name in _FIELDS:
+        value = getattr(event, name)
+        if value is None:
+            continue
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif name in _SCORES:
+            value = {str(r): (None if s is None or math.isnan(s) else s) for r, s in value.items()}
+        elif isinstance(value, float) and not math.isfinite(value):
+            value = None
+        out[name] = value
+    return out
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """``value`` of field ``name`` as its type; ``ValueError`` naming the problem."""
+    if value is None:
+        return None
+    if name in _ENUMS:
+        try:
+            return _ENUMS[name](value)
+        except ValueError:
+            raise ValueError(f"unknown {name} {value!r}") from None
+    if name in _INTS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"field {name} is not an integer: {value!r}")
+        return value
+    if name in _FLOATS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"field {name} is not a number: {value!r}")
+        return float(value)
+    if name in _STRS:
+        if not isinstance(value, str):
+            raise ValueError(f"field {name} is not a string: {value!r}")
+        return value
+    if name == "applied":
+        if not isinstance(value, bool):
+            raise ValueError(f"field applied is not true/false: {value!r}")
+        return value
+    if name in _SCORES:
+        if not isinstance(value, dict):
+            raise ValueError(f"field {name} is not an object of rank -> score")
+        try:
+            return {int(r): (float("nan") if s is None else float(s)) for r, s in value.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"field {name} is not an object of rank -> score") from None
+    if name == "flagged":
+        if not isinstance(value, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in value):
+            raise ValueError("field flagged is not a list of ranks")
+        return list(value)
+    raise AssertionError(f"no type for field {name}")  # every field of Event is in one of the tables above
+
+
+def from_json(obj: Any) -> Event:
+    """The :class:`Event` of a parsed JSON line; ``ValueError`` naming what is wrong (version, kind, a field)."""
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    version = obj.get("v")
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"unknown version v={version!r} (this reader knows v={SCHEMA_VERSION})")
+    if "kind" not in obj or "time" not in obj:
+        raise ValueError("no kind or no time")
+    values = {name: _coerce(name, value) for name, value in obj.items() if name in _FIELDS}
+    return Event(**values)  # fields a newer writer added are ignored: additive fields keep the version
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def resolve_directory(configured: Optional[str], save_dir: Optional[str]) -> Optional[str]:
+    """The event directory of a run: ``configured`` (``""``: off), else ``<save_dir>/events``, else ``None`` (off)."""
+    if configured is None:
+        return os.path.join(save_dir, DIRECTORY_NAME) if save_dir else None
+    return configured or None
+
+
+def directory_problem(directory: str) -> Optional[str]:
+    """Why ``directory`` cannot be used as an event directory (``None``: it exists or can be created and written).
+
+    Nothing is created: the nearest existing ancestor must be a directory this process may write into.
+    """
+    path = os.path.abspath(directory)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} exists and is not a directory"
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory, so {path} cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this process" + ("" if existing == path else f" ({path} is under it)")
+    return None
+
+
+def worker_file(rank: int) -> str:
+    """The file of a training rank's events."""
+    return f"events-rank{rank}.jsonl"
+
+
+def launcher_file(host: Optional[str] = None) -> str:
+    """The file of a node's launcher (and its rank monitors): several nodes' launchers share a directory."""
+    return f"events-launcher-{host or socket.gethostname()}.jsonl"
+
+
+class EventWriter:
+    """Appends events to one file, one ``os.write`` per line; never raises into the caller.
+
+    Args:
+        directory: the event directory (created on the first event).
+        name: the file name in it (:func:`worker_file`, :func:`launcher_file`).
+        process: the kind of process writing.
+        context: fields added to every event unless the event sets them (the writer's rank, restart count, ...).
+    """
+
+    def __init__(self, directory: str, name: str, process: Process, **context: Any) -> None:
+        unknown = set(context) - set(_FIELDS)
+        if unknown:
+            raise TypeError(f"EventWriter: unknown context fields {sorted(unknown)}")
+        self.directory = directory
+        self.path = os.path.join(directory, name)
+        self.process = process
+        self.context = context
+        self._host = socket.gethostname()
+        self._fd: Optional[int] = None
+        self._fd_pid: Optional[int] = None
+        self._lock = threading.Lock()
+        self._failed = False
+
+    def emit(self, kind: Union[EventKind, str], **fields: Any) -> Optional[Event]:
+        """Append one event of ``kind`` with ``fields`` (names of :class:`Event`); the event, or ``None`` if dropped."""
+        try:
+            values = {**self.context, **fields}
+            values.update({name: _coerce(name, values[name]) for name in _ENUMS if name in values})
+            event = Event(
+                kind=EventKind(kind),
+                time=time.time(),
+                mono=time.monotonic(),
+                process=self.process,
+                host=self._host,
+                pid=os.getpid(),
+                **values,
+            )
+            line = (json.dumps(to_json(event), separators=(",", ":")) + "\n").encode()
+        except (TypeError, ValueError) as err:  # a programming error in the caller: say so, never stop training
+            logger.error("event stream: dropped a %s event with bad fields %s: %s", kind, sorted(fields), err)
+            return None
+        try:
+            self._write(line)
+        except OSError as err:
+            if not self._failed:
+                self._failed = True
+                logger.warning("event stream: cannot append to %s (%s); events are dropped", self.path, err)
+            return None
+        return event
+
+    def _write(self, line: bytes) -> None:
+        with self._lock:
+            if self._fd is None or self._fd_pid != os.getpid():  # a forked child opens its own descriptor
+                os.makedirs(self.directory, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self._fd_pid = os.getpid()
+            written = os.write(self._fd, line)
+            if written < len(line):  # only on a full disk or a signal mid-write: finish the line
+                os.write(self._fd, line[written:])
+
+    def close(self) -> None:
+        """Close the file (the next event opens it again)."""
+        with self._lock:
+            if self._fd is not None and self._fd_pid == os.getpid():
+                os.close(self._fd)
+            self._fd = None
+
+
+_writer: Optional[EventWriter] = None
+
+
+def configure(
+    directory: Optional[str],
+    *,
+    rank: int,
+    local_rank: Optional[int] = None,
+    restart_count: Optional[int] = None,
+    inprocess_iteration: Optional[int] = None,
+) -> Optional[EventWriter]:
+    """Make this training process's events go to ``<directory>/events-rank<rank>.jsonl`` (``None``: nowhere).
+
+    Called at the start of every attempt (an in-process restart iteration may change the rank); the other fields
+    are added to every event this process writes.
+    """
+    global _writer
+    if _writer is not None:
+        _writer.close()
+    _writer = None
+    if directory:
+        context = {"rank": rank, "local_rank": local_rank, "restart_count": restart_count}
+        context["inprocess_iteration"] = inprocess_iteration
+        _writer = EventWriter(directory, worker_file(rank), Process.WORKER, **context)
+    return _writer
+
+
+def writer() -> Optional[EventWriter]:
+    """The writer of this process (``None`` until :func:`configure` named a directory)."""
+    return _writer
+
+
+def emit(kind: Union[EventKind, str], **fields: Any) -> Optional[Event]:
+    """Append an event of ``kind`` to this process's stream (nothing when none is configured); never raises.
+
+    ``fields`` are :class:`Event` field names; ``rank`` defaults to this process's rank. Returns the event written.
+    """
+    current = _writer
+    return current.emit(kind, **fields) if current is not None else None
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A line of an event file that was skipped, and why."""
+
+    path: str
+    line: int
+    """1-based line number."""
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def read_file(path: str) -> tuple[list[Event], list[Problem]]:
+    """The events of one file in file order, and the lines skipped (never raises on bad content)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        return [], [Problem(path, 0, f"cannot read: {err}")]
+    events: list[Event] = []
+    problems: list[Problem] = []
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        last = number == len(lines)
+        if last and not raw:
+            break  # the file ends with a newline, as a whole last line does
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            reason = "truncated line (no newline: the writer died mid-line?)" if last else f"not JSON ({err})"
+            problems.append(Problem(path, number, reason))
+            continue
+        try:
+            events.append(from_json(obj))
+        except (ValueError, TypeError) as err:
+            problems.append(Problem(path, number, str(err)))
+    return events, problems
+
+
+def read_events(directory: str) -> tuple[list[Event], list[Problem]]:
+    """Every event of the directory's files (:data:`FILE_GLOB`) in time order, and every line skipped.
+
+    A missing directory has no events and no problem.
+    """
+    events: list[Event] = []
+    problems: list[Problem] = []
+    for path in sorted(glob.glob(os.path.join(directory, FILE_GLOB))):
+        found, bad = read_file(path)
+        events += found
+        problems += bad
+    events.sort(key=lambda e: e.time)  # stable: one writer's events keep their order
+    return events, problems
