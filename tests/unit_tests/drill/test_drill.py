@@ -1,31 +1,89 @@
-"""The drill's own logic: schedules are checked, logs are read into detection/recovery, the report tells the truth."""
+"""The drill's own logic: schedules are checked, event files written by the real writers are read into strike,
+detection, restart phases and recovery, and the report tells the truth."""
 
 import datetime
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron.bridge.drill import events, report, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import compare
+from megatron.bridge.training.event_stream import EventKind, EventWriter, Mechanism, Process, RestartLayer
 
 PLAN = Plan(train_iters=100, nproc=2, save_interval=20, local_interval=5, max_restarts=6)
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0).timestamp()
 
 
-def _w(seconds: float, rank: int, text: str) -> str:
-    stamp = datetime.datetime.fromtimestamp(T0 + seconds).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
-    return f"{stamp} [rank{rank}] {text}"
+class Run:
+    """A drill's event directory written by real writers, on a clock the test sets (seconds after T0)."""
+
+    def __init__(self, directory, monkeypatch):
+        self.dir, self.now = directory, T0
+        fake = SimpleNamespace(time=lambda: self.now, monotonic=lambda: self.now - T0)
+        monkeypatch.setattr(event_stream, "time", fake)
+        self.launcher = EventWriter(str(directory), event_stream.launcher_file("vm"), Process.LAUNCHER)
+        self.ranks = {
+            r: EventWriter(str(directory), event_stream.worker_file(r), Process.WORKER, rank=r) for r in (0, 1)
+        }
+        self.restart_count, self.inprocess = 0, 0
+
+    def at(self, when, who, kind, **fields):
+        self.now = T0 + when
+        writer = self.launcher if who == "launcher" else self.ranks[who]
+        if who != "launcher":
+            fields = {"restart_count": self.restart_count, "inprocess_iteration": self.inprocess, **fields}
+        assert writer.emit(kind, **fields) is not None
+        return self
+
+    def attempt(self, seconds, restart_count=0, inprocess=0):
+        self.restart_count, self.inprocess = restart_count, inprocess
+        for rank in (0, 1):
+            self.at(seconds, rank, EventKind.ATTEMPT_STARTED, process_start=T0 + seconds - 0.5,
+                    attempt_start=T0 + seconds - (0.5 if inprocess == 0 else 0.0))  # fmt: skip
+        return self
+
+    def step(self, seconds, iteration):
+        return self.at(seconds, 0, EventKind.STEP_COMPLETED, iteration=iteration, seconds=0.2, applied=True)
+
+    def load(self, seconds, iteration, tier="global", took=0.5):
+        return self.at(seconds, 0, EventKind.CHECKPOINT_LOADED, iteration=iteration, tier=tier, seconds=took)
+
+    def strike(self, seconds, fault):
+        kind = schedule.ledger_kind(fault)
+        return self.at(seconds, fault.rank, EventKind.FAULT_INJECTED, rank=fault.rank, fault_kind=kind,
+                       iteration=fault.iteration)  # fmt: skip
+
+    def detect(self, when, mechanism, who=0, **fields):
+        return self.at(when, who, EventKind.FAULT_DETECTED, mechanism=mechanism, **fields)
+
+    def worker_died(self, seconds, rank, exit_code=-9):
+        signal = -exit_code if exit_code < 0 else None
+        self.at(seconds, "launcher", EventKind.WORKER_EXITED, rank=rank, local_rank=rank, exit_code=exit_code,
+                signal=signal)  # fmt: skip
+        return self.detect(seconds, Mechanism.LAUNCHER_WORKER_EXIT, "launcher", rank=rank, local_rank=rank,
+                           exit_code=exit_code, signal=signal)  # fmt: skip
+
+    def relaunch(self, seconds, count, stopped=0.3, started=1.0):
+        self.at(seconds, "launcher", EventKind.RESTART_BEGUN, layer=RestartLayer.IN_JOB, restart_count=count)
+        self.at(seconds + stopped, "launcher", EventKind.WORKERS_STOPPED, layer=RestartLayer.IN_JOB,
+                restart_count=count)  # fmt: skip
+        return self.at(seconds + started, "launcher", EventKind.RESTART_ENDED, layer=RestartLayer.IN_JOB,
+                       restart_count=count)  # fmt: skip
+
+    def timeline(self):
+        return events.read_run(self.dir)
 
 
-def _l(seconds: float, text: str) -> str:
-    stamp = datetime.datetime.fromtimestamp(T0 + seconds).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
-    return f"[{stamp}] [INFO] [ft_launcher1@vm] {text}"
-
-
-def _step(seconds: float, it: int) -> str:
-    return _w(seconds, 0, f"INFO megatron.bridge.training.metrics: iteration {it}/100 | consumed samples 8 | "
-                          f"lm loss 4.5 | grad norm 1.0 | lr 1e-3 | step time 0.2000 s")  # fmt: skip
+def _kill_run(tmp_path, monkeypatch) -> Run:
+    run = Run(tmp_path, monkeypatch).attempt(9.5)
+    for i in range(1, 6):
+        run.step(10.0 + i, i)
+    run.strike(15.5, DrillFault("kill", 6, 1)).worker_died(15.6, 1).relaunch(15.7, 1)
+    run.attempt(18.0, restart_count=1).load(30.0, 4, tier="local", took=1.0)
+    return run.step(30.5, 5).step(31.0, 6)
 
 
 def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
@@ -73,136 +131,116 @@ def test_none_is_an_empty_schedule():
     assert schedule.parse("none") == [] and schedule.worker_faults([]) == ""
 
 
-def _kill_log() -> str:
-    return "\n".join(
-        [
-            _l(0.0, "[default] starting workers for entrypoint: python"),
-            _w(
-                10.0,
-                0,
-                "WARNING megatron.bridge.training.checkpointing: no checkpoint found in x; training starts "
-                "at iteration 0",
-            ),  # fmt: skip
-            *[_step(10.0 + i, i) for i in range(1, 6)],
-            _w(15.5, 1, "ERROR megatron.bridge.training.fault_injection: fault injection: kill at iteration 6"),
-            _l(15.6, "failed (exitcode: -9) local_rank: 1 (pid: 9) of binary: python"),
-            _l(15.7, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
-            _w(
-                30.0,
-                0,
-                "INFO megatron.bridge.training.checkpoint.local_tier: loaded verified local checkpoint at "
-                "iteration 4 from /l (0 of 2 ranks' shards fetched from replicas)",
-            ),  # fmt: skip
-            _step(30.5, 5),
-            _step(31.0, 6),
-        ]
-    )
-
-
-def test_a_killed_rank_is_matched_with_its_detection_restart_and_recovery():
-    timeline = events.parse_log(_kill_log())
-    ledger = [{"kind": "kill", "iteration": 6, "rank": 1, "time": T0 + 15.5}]
-    (outcome,) = events.outcomes(timeline, schedule.parse("kill@6:1"), ledger)
-    assert outcome.ok
-    assert outcome.detection_s == pytest.approx(0.1, abs=1e-3)
-    assert outcome.recovery_s == pytest.approx(30.5 - 15.6, abs=1e-3)
+def test_a_killed_rank_is_matched_with_its_detection_restart_and_recovery(tmp_path, monkeypatch):
+    timeline = _kill_run(tmp_path, monkeypatch).timeline()
+    (outcome,) = events.outcomes(timeline, schedule.parse("kill@6:1"))
+    assert outcome.ok and outcome.relaunched
+    assert outcome.detection_s == pytest.approx(0.1, abs=1e-5)
+    assert outcome.recovery_s == pytest.approx(30.5 - 15.6, abs=1e-5)
     assert (outcome.resumed_from, outcome.steps_lost) == (4, 1)  # iteration 5 was done, then redone
-    assert timeline.resumes == [(pytest.approx(T0 + 10.0), 0), (pytest.approx(T0 + 30.0), 4)]
+    assert "local_rank: 1 (exitcode: -9)" in outcome.detection_line
+    assert timeline.resumes == [(pytest.approx(T0 + 9.5), 0), (pytest.approx(T0 + 30.0), 4)]
     assert events.unexplained_restarts(timeline, [outcome]) == []
+    (restart,) = timeline.restarts
+    phases = restart.phases()
+    expected = {"teardown": 0.3, "spawn": 17.5 - 16.0, "setup": 29.0 - 17.5, "load": 1.0, "first_step": 0.5,
+                "total": 30.5 - 15.7}  # fmt: skip
+    assert phases == {k: pytest.approx(v, abs=1e-5) for k, v in expected.items()}
+    assert (restart.layer, restart.resumed_from, restart.tier) == (RestartLayer.IN_JOB, 4, "local")
 
 
-def test_a_fault_that_never_struck_or_was_never_detected_is_not_ok():
-    timeline = events.parse_log(_kill_log())
-    never = events.outcomes(timeline, schedule.parse("kill@6:1"), ledger=[])
+def test_a_fault_that_never_struck_or_was_never_detected_is_not_ok(tmp_path, monkeypatch):
+    run = _kill_run(tmp_path, monkeypatch)
+    never = events.outcomes(run.timeline(), schedule.parse("kill@7:1"))
     assert not never[0].ok and never[0].struck is None
-    undetected = events.outcomes(timeline, schedule.parse("hang@3:1"), [{"kind": "hang", "iteration": 3, "rank": 1,
-                                                                          "time": T0 + 16.0}])  # fmt: skip
-    assert undetected[0].detected is None and not undetected[0].ok
+    run.strike(16.0, DrillFault("hang", 3, 1))
+    timeline = run.timeline()
+    undetected = events.outcomes(timeline, schedule.parse("hang@3:1"))
+    assert undetected[0].struck is not None and undetected[0].detected is None and not undetected[0].ok
     # The kill's restart is then unexplained: it is reported, not hidden.
-    assert len(events.unexplained_restarts(timeline, undetected)) == 1
+    assert events.unexplained_restarts(timeline, undetected) == [pytest.approx(T0 + 15.7)]
 
 
-def test_a_transient_nan_is_recovered_in_place():
-    log = "\n".join(
-        [
-            _step(1.0, 11),
-            _w(1.2, 1, "ERROR megatron.bridge.training.fault_injection: fault injection: nan forward output"),
-            _w(1.25, 1, "ERROR megatron.core.rerun_state_machine: Unexpected result nan on rank 1 at iteration #12"),
-            _step(1.6, 12),
-        ]
-    )
-    ledger = [{"kind": "nan", "iteration": 12, "rank": 1, "time": T0 + 1.2}]
-    (outcome,) = events.outcomes(events.parse_log(log), schedule.parse("nan@12:1"), ledger)
+def test_a_transient_nan_is_recovered_in_place(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(0.5).step(1.0, 11).strike(1.2, DrillFault("nan", 12, 1))
+    run.detect(1.25, Mechanism.RERUN_NAN, who=1, rank=1, iteration=12).step(1.6, 12)
+    (outcome,) = events.outcomes(run.timeline(), schedule.parse("nan@12:1"))
     assert outcome.ok and outcome.restart is None and outcome.steps_lost == 0
-    assert outcome.recovery_s == pytest.approx(0.35, abs=1e-3)
+    assert outcome.recovery_s == pytest.approx(0.35, abs=1e-5)
 
 
-def test_a_corrupted_local_checkpoint_counts_the_steps_the_fallback_lost():
-    log = "\n".join(
-        [
-            _step(1.0, 47),
-            _l(3.0, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
-            _w(
-                20.0,
-                0,
-                "ERROR megatron.bridge.training.checkpoint.local_tier: local checkpoint at iteration 45 "
-                "failed verification (1 problem(s)): bad hash",
-            ),  # fmt: skip
-            _w(
-                20.5,
-                0,
-                "INFO megatron.bridge.training.checkpointing: successfully loaded verified checkpoint "
-                "/c/iter_0000040 at iteration 40",
-            ),  # fmt: skip
-            _step(21.0, 41),
-        ]
-    )
-    ledger = [{"kind": "corrupt", "iteration": 45, "rank": 1, "time": T0 + 0.5}]
-    (outcome,) = events.outcomes(events.parse_log(log), schedule.parse("corrupt-local@45:1"), ledger)
+def test_a_corrupted_local_checkpoint_counts_the_steps_the_fallback_lost(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(0.2).strike(0.5, DrillFault("corrupt-local", 45, 1)).step(1.0, 47)
+    run.worker_died(2.9, 1).relaunch(3.0, 1).attempt(15.0, restart_count=1)
+    run.detect(20.0, Mechanism.LOCAL_CHECKPOINT_HASH, rank=None, iteration=45, tier="local")
+    run.load(20.5, 40).step(21.0, 41)
+    (outcome,) = events.outcomes(run.timeline(), schedule.parse("corrupt-local@45:1"))
     assert outcome.ok and (outcome.resumed_from, outcome.steps_lost) == (40, 5)
-    assert outcome.detection_s == pytest.approx(19.5, abs=1e-3)
+    assert outcome.detection_s == pytest.approx(19.5, abs=1e-5)
 
 
-def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs():
-    timeline = events.parse_log(_kill_log())
-    found = events.outcomes(timeline, schedule.parse("kill@6:1"), [{"kind": "kill", "iteration": 6, "rank": 1,
-                                                                     "time": T0 + 15.5}])  # fmt: skip
+def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs(tmp_path, monkeypatch):
+    timeline = _kill_run(tmp_path, monkeypatch).timeline()
+    found = events.outcomes(timeline, schedule.parse("kill@6:1"))
     good = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, tensors_compared=12)
     assert good.passed
     table = report.fault_table(good)
     assert "kill@6:1" in table and "iteration 4" in table and "not detected" not in table
-    assert report.to_json(good)["faults"][0]["steps_lost"] == 1
+    assert "ft_launcher: worker exited (signal 9), rank 1" in table and "in-job restart" in table
+    row = "| 1 | 6.7 s | in_job | kill@6:1 | 0.30 s | 1.50 s | 11.50 s | 1.00 s (it 4, local) | 0.50 s | 14.80 s |"
+    assert row in table
+    as_json = report.to_json(good)
+    assert as_json["faults"][0]["steps_lost"] == 1 and as_json["faults"][0]["restart_layers"] == ["in_job"]
+    assert as_json["faults"][0]["detection"]["mechanism"] == "launcher_worker_exit"
+    assert as_json["restarts_s"] == [pytest.approx(6.7)] and as_json["inprocess_restarts_s"] == []
+    assert as_json["restart_phases"][0]["load_s"] == pytest.approx(1.0)
+    assert as_json["restart_phases"][0]["teardown_s"] == pytest.approx(0.3)
     assert not report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=False, differences=["x"]).passed
     assert not report.DrillResult(found, timeline, 1, 40.0, 20.0, None, equal=True).passed
     spurious = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, unexplained_restarts=[T0 + 30])
     assert not spurious.passed and "restarts no scheduled fault explains" in report.goodput_lines(spurious)[-1]
-    missed = events.outcomes(timeline, [DrillFault("hang", 3, 1)], [])
+    missed = events.outcomes(timeline, [DrillFault("hang", 3, 1)])
     failed = report.DrillResult(missed, timeline, 0, 40.0, 20.0, None, equal=True)
     assert not failed.passed and "**not detected**" in report.fault_table(failed)
+    assert "**unexplained**" in report.fault_table(failed)
     lines = report.goodput_lines(good)
-    assert "no goodput summary" in lines[0] and "2.00x" in lines[1]
+    assert "no goodput summary" in lines[0] and "2.00x" in lines[1] and "1 restart(s) (1 in_job)" in lines[1]
 
 
-def test_an_undetected_slow_rank_is_reported_with_the_scores_it_got():
-    from megatron.bridge.training import nvrx_straggler as straggler
-
-    def report_at(seconds: float, iteration: int, score: float) -> str:
-        block = straggler.ScoreBlock("GPU relative performance", "t", {0: 1.0, 1: score}, 0.3)
-        text = straggler.StragglerReport(iteration, straggler.WALL_TIME_SOURCE, [block], {0: "vm", 1: "vm"}).format(5)
-        return _w(seconds, 0, f"INFO megatron.bridge.training.nvrx_straggler: {text}")
-
-    log = "\n".join([report_at(1.0, 56, 1.0), _step(1.5, 60), report_at(3.0, 70, 0.92), report_at(5.0, 84, 0.41)])
-    timeline = events.parse_log(log)
+def test_an_undetected_slow_rank_is_reported_with_the_scores_it_got(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(0.5)
+    for seconds, iteration, score in ((1.0, 56, 1.0), (3.0, 70, 0.92), (5.0, 84, 0.41)):
+        run.at(seconds, 0, EventKind.STRAGGLER_REPORT, iteration=iteration, relative_scores={0: 1.0, 1: score})
+    run.strike(1.5, DrillFault("slow", 60, 1)).step(1.5, 60)
+    timeline = run.timeline()
     assert [(it, scores) for _, it, scores in timeline.straggler_reports] == [
         (56, {0: 1.0, 1: 1.0}),
         (70, {0: 1.0, 1: 0.92}),
         (84, {0: 1.0, 1: 0.41}),
     ]
-    ledger = [{"kind": "slow", "iteration": 60, "rank": 1, "time": T0 + 1.5}]
-    found = events.outcomes(timeline, schedule.parse("slow@60:1:x6"), ledger)
+    found = events.outcomes(timeline, schedule.parse("slow@60:1:x6"))
     table = report.fault_table(report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True))
     assert "**not detected**" in table
     assert "slow@60:1:x6: rank 1's relative scores in the straggler reports after it: it 70 0.92, it 84 0.41" in table
+
+
+def test_skipped_event_lines_are_reported_and_the_rest_is_read(tmp_path, monkeypatch):
+    run = _kill_run(tmp_path, monkeypatch)
+    with open(tmp_path / event_stream.worker_file(0), "a") as f:
+        f.write('{"v": 2, "kind": "step_completed"}\n{"v": 1, "kind": "step_comp')
+    timeline = run.timeline()
+    assert [p.line for p in timeline.problems] == [11, 12]
+    (outcome,) = events.outcomes(timeline, schedule.parse("kill@6:1"))
+    assert outcome.ok
+    text = report.fault_table(report.DrillResult([outcome], timeline, 0, 40.0, 20.0, None, equal=True))
+    assert "event stream: 2 line(s) skipped:" in text and "events-rank0.jsonl:11: unknown version v=2" in text
+    assert "events-rank0.jsonl:12: truncated line" in text
+
+
+def test_the_launchers_start_is_the_runs_time_zero(tmp_path, monkeypatch):
+    run = _kill_run(tmp_path, monkeypatch)
+    run.at(40.0, "launcher", EventKind.LAUNCHER_STARTED, process_start=T0 + 2.0)
+    assert run.timeline().start == pytest.approx(T0 + 2.0)
 
 
 def test_checkpoint_differences_name_what_differs():
@@ -217,99 +255,95 @@ def test_checkpoint_differences_name_what_differs():
     ]
 
 
-def _restart_log(*middle: str) -> str:
-    return "\n".join([*[_step(1.0 + i * 0.1, 60 + i) for i in range(10)], *middle])
+def _steps_60_to_69(run: Run) -> Run:
+    run.attempt(0.5)
+    for i in range(10):
+        run.step(1.0 + i * 0.1, 60 + i)
+    return run
 
 
-def test_a_restart_is_claimed_by_one_fault_only_and_within_its_window():
+def test_a_restart_is_claimed_by_one_fault_only_and_within_its_window(tmp_path, monkeypatch):
     # The straggler is reported but never stops the job; the kill's restart must not be credited to it.
-    log = _restart_log(
-        _w(2.0, 0, "WARNING x: Straggler detected: Rank=1 Node=vm GPU relative performance Score=0.1 < 0.3"),
-        _l(3.05, "failed (exitcode: -9) local_rank: 0 (pid: 9) of binary: python"),
-        _l(3.1, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
-        _w(9.0, 0, "INFO x: successfully loaded verified checkpoint /c/iter_0000060 at iteration 60"),
-        _step(9.5, 61),
-    )
-    ledger = [
-        {"kind": "slow", "iteration": 60, "rank": 1, "time": T0 + 1.0},
-        {"kind": "kill", "iteration": 70, "rank": 0, "time": T0 + 3.0},
-    ]
-    slow, kill = events.outcomes(events.parse_log(log), schedule.parse("slow@60:1:x6,kill@70:0"), ledger)
+    run = _steps_60_to_69(Run(tmp_path, monkeypatch))
+    run.strike(1.0, DrillFault("slow", 60, 1)).detect(2.0, Mechanism.STRAGGLER_SCORE, rank=1, score=0.1, threshold=0.3)
+    run.strike(3.0, DrillFault("kill", 70, 0)).worker_died(3.05, 0).relaunch(3.1, 1)
+    run.attempt(8.0, restart_count=1).load(9.0, 60).step(9.5, 61)
+    slow, kill = events.outcomes(run.timeline(), schedule.parse("slow@60:1:x6,kill@70:0"))
     assert slow.detected is not None and slow.restart is None and not slow.ok
     assert kill.ok and kill.restart is not None and kill.steps_lost == 69 - 60
 
 
-def test_another_ranks_exit_is_not_the_detection_of_a_kill():
-    log = _restart_log(_l(3.05, "failed (exitcode: 1) local_rank: 0 (pid: 9) of binary: python"))
-    (kill,) = events.outcomes(events.parse_log(log), schedule.parse("kill@70:1"),
-                              [{"kind": "kill", "iteration": 70, "rank": 1, "time": T0 + 3.0}])  # fmt: skip
-    assert kill.detected is None and not kill.ok
+def test_another_ranks_exit_or_a_planned_exit_is_not_the_detection_of_a_kill_or_a_hang(tmp_path, monkeypatch):
+    run = _steps_60_to_69(Run(tmp_path, monkeypatch))
+    run.strike(3.0, DrillFault("kill", 70, 1)).worker_died(3.05, 0, exit_code=-9)
+    run.strike(3.1, DrillFault("stall", 71, 1)).worker_died(3.2, 1, exit_code=21)  # a straggler stop: exit 21
+    kill, stall = events.outcomes(run.timeline(), schedule.parse("kill@70:1,stall@71:1"))
+    assert kill.detected is None and stall.detected is None
 
 
-def test_a_nan_followed_by_a_restart_was_not_recovered_in_place():
-    log = "\n".join(
-        [
-            _w(1.25, 1, "ERROR m: Unexpected result nan on rank 1 at iteration #12 invocation #1"),
-            _l(2.0, "[default] Worker group FAILED. 3/3 attempts left; will restart worker group"),
-            _step(9.0, 12),
-        ]
-    )
-    (nan,) = events.outcomes(events.parse_log(log), schedule.parse("nan@12:1"),
-                             [{"kind": "nan", "iteration": 12, "rank": 1, "time": T0 + 1.2}])  # fmt: skip
+def test_a_nan_followed_by_a_restart_was_not_recovered_in_place(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(0.5).strike(1.2, DrillFault("nan", 12, 1))
+    run.detect(1.25, Mechanism.RERUN_NAN, who=1, rank=1, iteration=12).relaunch(2.0, 1)
+    run.attempt(8.0, restart_count=1).step(9.0, 12)
+    (nan,) = events.outcomes(run.timeline(), schedule.parse("nan@12:1"))
     assert nan.detected is not None and nan.recovered is None and not nan.ok
 
 
-def test_a_detection_stamped_in_the_same_millisecond_as_the_strike_counts():
-    log = "\n".join([_w(1.2, 1, "ERROR m: Unexpected result nan on rank 1 at iteration #12 invocation #1"),
-                     _step(1.6, 12)])  # fmt: skip
-    (nan,) = events.outcomes(events.parse_log(log), schedule.parse("nan@12:1"),
-                             [{"kind": "nan", "iteration": 12, "rank": 1, "time": T0 + 1.2004}])  # fmt: skip
-    assert nan.ok
-
-
-def test_a_hang_after_a_corrupted_local_checkpoint_loses_only_its_own_steps():
-    log = "\n".join(
-        [
-            *[_step(1.0 + 0.1 * i, 40 + i) for i in range(8)],  # up to iteration 47
-            _w(2.0, 0, "ERROR m: fault injection: hang at iteration 48"),
-            _l(3.0, "[WARNING] [RankMonServer7@vm:1] Section 'step' has been open for 1.71 seconds. Timeout is 0.9"),
-            _l(3.2, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
-            _w(9.0, 0, "ERROR m: local checkpoint at iteration 45 failed verification (1 problem(s)): hash"),
-            _w(9.5, 0, "INFO m: successfully loaded verified checkpoint /c/iter_0000038 at iteration 38"),
-            _step(10.0, 39),
-        ]
-    )
-    ledger = [
-        {"kind": "corrupt", "iteration": 45, "rank": 1, "time": T0 + 1.55},
-        {"kind": "hang", "iteration": 48, "rank": 1, "time": T0 + 2.0},
-    ]
-    corrupt, hang = events.outcomes(events.parse_log(log), schedule.parse("corrupt-local@45:1,hang@48:1"), ledger)
+def test_a_hang_after_a_corrupted_local_checkpoint_loses_only_its_own_steps(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(0.5)
+    for i in range(8):  # up to iteration 47
+        run.step(1.0 + 0.1 * i, 40 + i)
+    run.strike(1.55, DrillFault("corrupt-local", 45, 1)).strike(2.0, DrillFault("hang", 48, 1))
+    run.detect(3.0, Mechanism.RANK_MONITOR_SECTION_TIMEOUT, "launcher", rank=1, section="step", seconds=1.71,
+               timeout=0.9)  # fmt: skip
+    run.worker_died(3.1, 1).relaunch(3.2, 1).attempt(8.0, restart_count=1)
+    run.detect(9.0, Mechanism.LOCAL_CHECKPOINT_HASH, rank=None, iteration=45).load(9.5, 38).step(10.0, 39)
+    corrupt, hang = events.outcomes(run.timeline(), schedule.parse("corrupt-local@45:1,hang@48:1"))
     assert (corrupt.resumed_from, corrupt.steps_lost) == (38, 7)
     assert (hang.resumed_from, hang.steps_lost) == (38, 47 - 45)  # 46 and 47; 39..45 are the corruption's
-    assert hang.detection_s == pytest.approx(1.0, abs=1e-3)
+    assert hang.detection_s == pytest.approx(1.0, abs=1e-5)
+    assert "section 'step' open 1.71 s > 0.90 s" in hang.detection_line
 
 
-def test_a_hang_is_detected_by_whichever_rank_monitor_fires_first():
-    log = "\n".join(
-        [
-            _step(1.0, 46),
-            _w(1.1, 1, "ERROR m: fault injection: hang at iteration 47"),
-            _l(6.6, "[WARNING] [RankMonServer7@vm:0] Section 'step' has been open for 5.51 seconds. Timeout is 5.08"),
-            _l(6.7, "[default] Worker group UNHEALTHY. 3/3 attempts left; will restart worker group"),
-            _w(9.5, 0, "INFO m: successfully loaded verified checkpoint /c/iter_0000040 at iteration 40"),
-            _step(10.0, 41),
-        ]
-    )
-    ledger = [{"kind": "hang", "iteration": 47, "rank": 1, "time": T0 + 1.1}]
-    (hang,) = events.outcomes(events.parse_log(log), schedule.parse("hang@47:1"), ledger)
-    assert hang.ok and hang.detection_s == pytest.approx(5.5, abs=1e-3) and hang.resumed_from == 40
-    assert events.unexplained_restarts(events.parse_log(log), [hang]) == []
+def test_a_hang_is_detected_by_whichever_rank_monitor_fires_first(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(0.5).step(1.0, 46).strike(1.1, DrillFault("hang", 47, 1))
+    run.detect(6.6, Mechanism.RANK_MONITOR_SECTION_TIMEOUT, "launcher", rank=0, section="step")
+    run.worker_died(6.65, 0).relaunch(6.7, 1).attempt(9.0, restart_count=1).load(9.5, 40).step(10.0, 41)
+    timeline = run.timeline()
+    (hang,) = events.outcomes(timeline, schedule.parse("hang@47:1"))
+    assert hang.ok and hang.detection_s == pytest.approx(5.5, abs=1e-5) and hang.resumed_from == 40
+    assert events.unexplained_restarts(timeline, [hang]) == []
 
 
-def test_without_a_reference_the_drill_cannot_pass():
-    timeline = events.parse_log(_kill_log())
-    found = events.outcomes(timeline, schedule.parse("kill@6:1"), [{"kind": "kill", "iteration": 6, "rank": 1,
-                                                                     "time": T0 + 15.5}])  # fmt: skip
+def test_a_stall_is_recovered_by_an_in_process_restart_in_the_same_processes(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(0.5)
+    for i in range(7):  # up to iteration 46
+        run.step(1.0 + 0.1 * i, 40 + i)
+    run.strike(1.55, DrillFault("corrupt-local", 45, 1)).strike(1.8, DrillFault("stall", 47, 1))
+    run.detect(7.8, Mechanism.INPROCESS_SOFT_TIMEOUT, who=1, rank=1, detail="Interruption.SOFT_TIMEOUT")
+    for rank, at in ((1, 7.9), (0, 8.0)):  # every rank reports the restart: one restart
+        run.at(at, rank, EventKind.RESTART_BEGUN, layer=RestartLayer.IN_PROCESS, inprocess_iteration=1)
+    run.at(8.8, 0, EventKind.RESTART_ENDED, layer=RestartLayer.IN_PROCESS, inprocess_iteration=1)
+    run.attempt(9.0, inprocess=1)
+    run.detect(9.5, Mechanism.LOCAL_CHECKPOINT_HASH, rank=None, iteration=45).load(10.0, 40).step(10.5, 41)
+    timeline = run.timeline()
+    corrupt, stall = events.outcomes(timeline, schedule.parse("corrupt-local@45:1,stall@47:1"))
+    assert stall.ok and not stall.relaunched and [r.layer for r in stall.restarts] == [RestartLayer.IN_PROCESS]
+    assert (stall.resumed_from, stall.steps_lost) == (40, 1)  # 46, past the local checkpoint its restart tried
+    assert stall.detection_s == pytest.approx(6.0, abs=1e-5) and "SOFT_TIMEOUT" in stall.detection_line
+    assert (corrupt.resumed_from, corrupt.steps_lost) == (40, 5)
+    (restart,) = timeline.restarts
+    phases = restart.phases()
+    expected = {"teardown": 0.9, "spawn": 0.2, "setup": 0.5, "load": 0.5, "first_step": 0.5, "total": 2.6}
+    assert phases == {k: pytest.approx(v, abs=1e-5) for k, v in expected.items()}
+    result = report.DrillResult([corrupt, stall], timeline, 0, 20.0, 10.0, None, equal=True)
+    assert "in-process restart in the same processes" in report.fault_table(result)
+    assert report.to_json(result)["inprocess_restarts_s"] and not report.to_json(result)["restarts_s"]
+
+
+def test_without_a_reference_the_drill_cannot_pass(tmp_path, monkeypatch):
+    timeline = _kill_run(tmp_path, monkeypatch).timeline()
+    found = events.outcomes(timeline, schedule.parse("kill@6:1"))
     unverified = report.DrillResult(found, timeline, 0, 40.0, None, None, equal=None)
     assert not unverified.passed and "NOT COMPARED" in report.equality_line(unverified)
 

@@ -21,7 +21,6 @@ from typing import Optional
 from megatron.bridge.drill import events, report, runner, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
 from megatron.bridge.training import fault_injection
-from megatron.bridge.training.fault_injection import struck_faults
 from megatron.bridge.training.resiliency_validation import INPROCESS_ENV
 
 logger = logging.getLogger(__name__)
@@ -125,7 +124,8 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
 
     In-process restart declares a rank hung after 6 s without a finished step or save (a step takes well under a
     second here, a blocking save about one, a restart's setup before its first step 2-3 s under load) and terminates
-    one it cannot abort after 15 s; the rank monitor's step timeout is kept above that (``fault_tolerance.py``).
+    one it cannot abort after 10 s (4 s to unwind after the soft abort); the rank monitor's step timeout is kept above
+    that (``fault_tolerance.py``).
 
     Straggler detection stops the job on a rank scoring below 0.15 against the fastest one in two reports in a row
     (the slowed rank scores about 0.07 in every report; healthy ranks scored 0.29, and once 0.14 in a single report
@@ -147,7 +147,7 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
         "nvrx_straggler.stop_after_consecutive_reports=2",
         "train.exit_signal_handler=true",
         "health.liveness_ping_interval=10", "health.liveness_ping_timeout=30",
-        "inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=6", "inprocess_restart.hard_timeout=15",
+        "inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=6", "inprocess_restart.hard_timeout=10",
         "inprocess_restart.heartbeat_interval=1", "inprocess_restart.heartbeat_timeout=5",
         "inprocess_restart.barrier_timeout=60", "inprocess_restart.completion_timeout=60",
         f"inprocess_restart.monitor_process_logdir={run / 'inprocess'}",
@@ -162,10 +162,11 @@ def _train(
     faults: list[DrillFault],
     overrides: list[str],
     max_restarts: int,
-) -> tuple[int, float, str]:
-    """One training job under ft_launcher; returns (exit code, wall seconds, log text)."""
+) -> tuple[int, float, events.Timeline]:
+    """One training job under ft_launcher; returns (exit code, wall seconds, what its event stream says)."""
     run.mkdir(parents=True, exist_ok=True)
     ledger = run / "fault_ledger.jsonl"
+    event_dir = (run / "events").resolve()  # the launcher's and the ranks' events, the report's only source
     spec = schedule.worker_faults(faults)  # the faults injected inside the ranks, each once per job (the ledger)
     cmd = [
         *_ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
@@ -174,10 +175,10 @@ def _train(
         "--ft-rank-out-of-section-timeout=120", "--ft-workload-check-interval=1", "--ft-safety-factor=30",
         # Survivors trap SIGTERM (preemption handling) and in-process restart keeps them busy: the launcher's stop
         # before a restart would wait its default 30 s for them; their work since the last checkpoint is lost anyway.
-        f"--workers-stop-timeout={WORKERS_STOP_TIMEOUT:g}",
+        f"--workers-stop-timeout={WORKERS_STOP_TIMEOUT:g}", f"--event-dir={event_dir}",
         "-m", *ENTRY, *MODEL_OVERRIDES, *training_overrides(args, run, args.run_dir / "tensorboard" / label),
         *overrides,
-        f"fault_injection.ledger={ledger}",
+        f"fault_injection.ledger={ledger}", f"health.event_dir={event_dir}",
         *([f"fault_injection.faults={spec}"] if spec else []),
     ]  # fmt: skip
     start = time.time()
@@ -191,7 +192,7 @@ def _train(
     }
     log_path = run / "train.log"
     code = runner.launch_and_watch(cmd, env, log_path, args.timeout, label)
-    return code, time.time() - start, log_path.read_text(errors="replace")
+    return code, time.time() - start, events.read_run(event_dir)
 
 
 def _final_summary(path: Path, train_iters: int) -> Optional[dict]:
@@ -243,15 +244,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     reference_wall, reference_timeline = None, None
     if not args.no_reference:
         print("[drill] 1/2: the fault-free reference run (same seed, same features)", flush=True)
-        code, reference_wall, text = _train(args, run_dir / "reference", "reference", [], overrides, max_restarts)
+        code, reference_wall, reference_timeline = _train(
+            args, run_dir / "reference", "reference", [], overrides, max_restarts
+        )
         if code != 0:
             print(f"[drill] the reference run failed (exit {code}); see {run_dir / 'reference' / 'train.log'}")
             return 1
-        reference_timeline = events.parse_log(text)
     print("[drill] 2/2: the run with faults", flush=True)
-    code, wall, text = _train(args, run_dir, "drill", faults, overrides, max_restarts)
-    timeline = events.parse_log(text)
-    found = events.outcomes(timeline, faults, struck_faults(str(run_dir / "fault_ledger.jsonl")))
+    code, wall, timeline = _train(args, run_dir, "drill", faults, overrides, max_restarts)
+    found = events.outcomes(timeline, faults)
     final = f"iter_{args.train_iters:07d}"
     equal, diffs, count = (None, [], 0)
     if reference_timeline is not None:

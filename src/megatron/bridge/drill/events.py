@@ -1,154 +1,252 @@
-"""What the logs say happened: steps over time, restarts, resumes, and for each fault its detection and recovery.
+"""What the job's events say happened: steps over time, restarts phase by phase, resumes, and each fault's outcome.
 
-Timestamps come from the log lines themselves (the training processes' and the launcher's loggers) and from the
-fault ledger, all wall-clock seconds since the epoch on the one machine that ran the drill.
+The failure it avoids: reconstructing a run from its log text breaks when a message is reworded, misattributes
+lines when processes interleave, and cannot time what no line states. The drill reads the job's event stream
+instead (``training/event_stream.py``, ``docs/training/events.md``): typed events every rank and the launcher
+appended, each with its wall-clock time (unix seconds; every process of the drill runs on one machine, so the times
+of different processes compare). Lines the reader had to skip (truncated, not JSON, an unknown version) are kept in
+:attr:`Timeline.problems` and reported, never fatal.
+
+:func:`read_run` builds a :class:`Timeline` from an event directory; :func:`outcomes` matches each scheduled fault
+with the ``fault_injected`` event of its strike, the first ``fault_detected`` event of a mechanism meant for it, the
+restarts it caused (any layer) and the first step completed after the resume.
 """
 
-import datetime
-import re
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
-from megatron.bridge.drill.schedule import RESTARTING, DrillFault, ledger_kind
+from megatron.bridge.drill.schedule import RELOADING, DrillFault, ledger_kind
+from megatron.bridge.training.event_stream import Event, EventKind, Mechanism, Problem, RestartLayer, read_events
 
-_WORKER_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] ")
-_LAUNCHER_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] ")
-_STEP = re.compile(r"\[rank0\] INFO \S+: iteration (\d+)/\d+ \|.*\| step time ([\d.]+) s")
-_RESTART = re.compile(r"Worker group \w+\. \d+/\d+ attempts left; will restart worker group")
-_RESUMED = re.compile(
-    r"\[rank0\] .*(?:successfully loaded verified checkpoint \S+|loaded verified local checkpoint) at iteration (\d+)"
-    r"|\[rank0\] .*(training starts at iteration 0)"
-)
-_LOCAL_REJECTED = re.compile(r"local checkpoint at iteration (\d+) failed verification")
-_STRAGGLER_REPORT = re.compile(r"\[rank0\] INFO \S+: Straggler report at iteration (\d+) ")
-_SCORE = re.compile(r"^Rank=(\d+) Node=\S+ Score=([\d.]+|nan)$")
-_SLACK = 0.001
-"""Log timestamps are cut to the millisecond: a line stamped up to 1 ms before a ledger time may follow it."""
-
-
-def _detection_patterns(fault: DrillFault) -> list[re.Pattern]:
-    """Log lines that show the mechanism meant for ``fault`` noticed it (on a single node local rank = rank)."""
-    killed = re.compile(rf"failed \(exitcode: -9\) local_rank: {fault.rank} ")
-    # A hung rank's peers block in a collective with it, so every rank's section times out at about the same time:
-    # the first rank monitor to fire (often a peer's) stops the group, and the others may never log theirs.
-    timed_out = re.compile(r"\[RankMonServer\d+@[^:\]]+:\d+\] Section '\w+' has been open for")
-    return {
-        "kill": [killed],
-        "hang": [timed_out, killed],
-        "stall": [re.compile(r"RankShouldRestart\('Interruption\.SOFT_TIMEOUT")],
-        "preempt": [re.compile(r"Preemption detected, saving checkpoint and exiting")],
-        "nan": [re.compile(rf"Unexpected result nan on rank {fault.rank} at iteration #{fault.iteration}\b")],
-        "slow": [re.compile(rf"Straggler detected: Rank={fault.rank} ")],
-        "corrupt-local": [re.compile(rf"local checkpoint at iteration {fault.iteration} failed verification")],
-    }[fault.kind]
-
-
-DETECTED_BY = {
-    "kill": "ft_launcher: worker exited (signal 9)",
-    "hang": "rank monitor: section timeout",
-    "stall": "in-process restart: no progress for soft_timeout",
-    "preempt": "signal handler: all ranks agree to stop",
-    "nan": "re-run state machine: NaN loss",
-    "slow": "straggler detector: score below threshold",
-    "corrupt-local": "local tier: content hash mismatch at load",
+DETECTED_BY: dict[Mechanism, str] = {
+    Mechanism.LAUNCHER_WORKER_EXIT: "ft_launcher: worker exited",
+    Mechanism.RANK_MONITOR_SECTION_TIMEOUT: "rank monitor: section timeout",
+    Mechanism.RANK_MONITOR_HEARTBEAT_TIMEOUT: "rank monitor: heartbeat timeout",
+    Mechanism.INPROCESS_EXCEPTION: "in-process restart: exception in the training function",
+    Mechanism.INPROCESS_SOFT_TIMEOUT: "in-process restart: no progress for soft_timeout",
+    Mechanism.INPROCESS_HARD_TIMEOUT: "in-process restart: no progress for hard_timeout",
+    Mechanism.INPROCESS_DEAD_PEER: "in-process restart: a peer stopped its heartbeats",
+    Mechanism.RERUN_NAN: "re-run state machine: NaN loss",
+    Mechanism.RERUN_SPIKE: "re-run state machine: loss spike",
+    Mechanism.NAN_GUARD: "loss guard: NaN loss",
+    Mechanism.PREEMPTION_SIGNAL: "signal handler: all ranks agree to stop",
+    Mechanism.STRAGGLER_SCORE: "straggler detector: score below threshold",
+    Mechanism.LOCAL_CHECKPOINT_HASH: "local tier: content hash mismatch at load",
+    Mechanism.CHECKPOINT_VERIFICATION: "global checkpoint: manifest mismatch at load",
+    Mechanism.LIVENESS_PING: "liveness ping: rank lost",
 }
-RECOVERED_BY = {
-    "kill": "in-job restart, resume from newest verified checkpoint",
-    "hang": "in-job restart, resume from newest verified checkpoint",
-    "stall": "in-process restart in the same processes, resume from newest verified checkpoint",
-    "preempt": "save, exit 18, restart, resume",
-    "nan": "step re-run in place (transient)",
-    "slow": "save, exit 21, restart, resume",
-    "corrupt-local": "discarded, fell back to the global tier",
-}
+"""How the report names each detection mechanism."""
+_IN_PLACE = {"nan": "step re-run in place (transient)", "corrupt-local": "discarded, fell back to the global tier"}
+_BY_LAYER = {RestartLayer.IN_PROCESS: "in-process restart in the same processes", RestartLayer.IN_JOB: "in-job restart",
+             RestartLayer.REQUEUE: "requeue"}  # fmt: skip
+_SAVED_FIRST = {"preempt": "save, exit 18, ", "slow": "save, exit 21, "}
+_HANG_SEEN_BY = (Mechanism.RANK_MONITOR_SECTION_TIMEOUT, Mechanism.RANK_MONITOR_HEARTBEAT_TIMEOUT,
+                 Mechanism.INPROCESS_SOFT_TIMEOUT)  # fmt: skip
+"""A hung rank's peers block in a collective with it: the first of them to time out (often a peer) detects it."""
 
 
-def _stamp(text: str) -> float:
-    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+def recovered_by(outcome: "Outcome") -> str:
+    """How ``outcome``'s fault was recovered, for people: in place, or the restarts it caused, layer by layer."""
+    if not outcome.restarts:
+        return _IN_PLACE.get(outcome.fault.kind, "in place")
+    steps = [
+        _BY_LAYER[r.layer] + (" (did not finish)" if r.ended is None and r is not outcome.restarts[-1] else "")
+        for r in outcome.restarts
+    ]
+    return f"{_SAVED_FIRST.get(outcome.fault.kind, '')}{', then '.join(steps)}, resume from newest verified checkpoint"
 
 
 @dataclass
-class Line:
-    """A timestamped log line."""
+class Restart:
+    """One restart of any layer, phase by phase (``docs/training/events.md``, "Restart phases").
 
-    time: float
-    text: str
+    An in-process restart is reported by every rank: its events are merged (the earliest of each).
+    """
+
+    layer: RestartLayer
+    begun: float
+    """``restart_begun``: the failure was seen and the restart decided."""
+    restart_count: Optional[int] = None
+    inprocess_iteration: Optional[int] = None
+    """The attempt the restart leads to: (in-job restarts, in-process iteration)."""
+    stopped: Optional[float] = None
+    """The end of the teardown: ``workers_stopped`` (in-job) or ``restart_ended`` (in-process)."""
+    ended: Optional[float] = None
+    """``restart_ended``: the new workers (or the new in-process iteration) run."""
+    spawned: Optional[float] = None
+    """The earliest ``attempt_start`` of the new attempt on any rank."""
+    load_began: Optional[float] = None
+    loaded: Optional[float] = None
+    """Rank 0's checkpoint load in the new attempt: when it began and ended."""
+    first_step: Optional[float] = None
+    """Rank 0's first completed step in the new attempt."""
+    resumed_from: Optional[int] = None
+    tier: Optional[str] = None
+    """The checkpoint the new attempt resumed from (its iteration and tier)."""
+    cause: Optional[Event] = None
+    """The last ``fault_detected`` event before the restart began."""
+
+    def phases(self) -> dict[str, Optional[float]]:
+        """Seconds of teardown, spawn, setup, load and first step, and the total (``None``: not measured)."""
+
+        def span(a: Optional[float], b: Optional[float]) -> Optional[float]:
+            return None if a is None or b is None else b - a
+
+        setup_end = self.load_began if self.load_began is not None else self.first_step
+        return {
+            "teardown": span(self.begun, self.stopped),
+            "spawn": span(self.stopped, self.spawned),
+            "setup": span(self.spawned, setup_end),
+            "load": span(self.load_began, self.loaded),
+            "first_step": span(self.loaded, self.first_step),
+            "total": span(self.begun, self.first_step),
+        }
 
 
 @dataclass
 class Timeline:
-    """The run as parsed from its log."""
+    """The run as its event stream tells it."""
 
-    steps: list[tuple[float, int, float]] = field(default_factory=list)
-    """(time, iteration, step seconds) of every step rank 0 logged, in log order (repeated iterations after a
-    rollback appear again)."""
-    restarts: list[float] = field(default_factory=list)
-    """When the launcher decided to restart the workers."""
-    resumes: list[tuple[float, int]] = field(default_factory=list)
-    """(time, iteration) of every start's checkpoint load (0: started from scratch)."""
-    straggler_reports: list[tuple[float, int, dict[int, float]]] = field(default_factory=list)
-    """(time, iteration, rank -> relative score) of every straggler report rank 0 logged."""
-    lines: list[Line] = field(default_factory=list)
     start: Optional[float] = None
+    """The run's time zero: the launcher's process start, else the earliest process start or event."""
     end: Optional[float] = None
+    steps: list[tuple[float, int, float]] = field(default_factory=list)
+    """(time, iteration, step seconds) of every step rank 0 completed, in time order (repeated iterations after a
+    rollback appear again)."""
+    restarts: list[Restart] = field(default_factory=list)
+    """Every restart of any layer, by the time it began."""
+    resumes: list[tuple[float, int]] = field(default_factory=list)
+    """(time, iteration) of every attempt's start of training: rank 0's checkpoint load, or (the attempt's start, 0)
+    for an attempt that trained from scratch."""
+    attempts: list[Event] = field(default_factory=list)
+    """Every rank's ``attempt_started`` events."""
+    straggler_reports: list[tuple[float, int, dict[int, float]]] = field(default_factory=list)
+    """(time, iteration, rank -> relative score) of every straggler report."""
+    events: list[Event] = field(default_factory=list)
+    """Every event read, in time order."""
+    problems: list[Problem] = field(default_factory=list)
+    """Lines of the event files that were skipped, and why."""
+
+    def restarts_of(self, layer: RestartLayer) -> list[Restart]:
+        """The restarts of one layer."""
+        return [r for r in self.restarts if r.layer == layer]
 
 
-def parse_log(text: str) -> Timeline:
-    """Parse a drill's log (training processes and launcher, interleaved)."""
-    timeline = Timeline()
-    block = ""  # the score block of the straggler report being read ("" outside a report)
-    for raw in text.splitlines():
-        found = _WORKER_TIME.match(raw) or _LAUNCHER_TIME.match(raw)
-        if found is None:
-            block = _read_report_line(raw, block, timeline)
-            continue
-        block = ""
-        line = Line(_stamp(found.group(1)), raw)
-        timeline.lines.append(line)
-        timeline.start = line.time if timeline.start is None else min(timeline.start, line.time)
-        timeline.end = line.time if timeline.end is None else max(timeline.end, line.time)
-        step = _STEP.search(raw)
-        report = _STRAGGLER_REPORT.search(raw)
-        if step is not None:
-            timeline.steps.append((line.time, int(step.group(1)), float(step.group(2))))
-        elif report is not None:
-            timeline.straggler_reports.append((line.time, int(report.group(1)), {}))
-            block = "report"
-        elif _RESTART.search(raw):
-            timeline.restarts.append(line.time)
-        else:
-            resumed = _RESUMED.search(raw)
-            if resumed is not None:
-                timeline.resumes.append((line.time, int(resumed.group(1) or 0)))
+def _is(event: Event, kind: EventKind, rank: Optional[int] = None) -> bool:
+    """``event`` is of ``kind`` (and, with ``rank``, a training process's event about that rank)."""
+    return event.kind == kind and (rank is None or (event.rank == rank and event.process in (None, "worker")))
+
+
+def _attempt(event: Event) -> tuple[Optional[int], Optional[int]]:
+    """The attempt a rank's event belongs to: (in-job restarts, in-process iteration)."""
+    return event.restart_count, event.inprocess_iteration
+
+
+def build_timeline(events: list[Event], problems: Optional[list[Problem]] = None) -> Timeline:
+    """The :class:`Timeline` of ``events`` (in time order, as :func:`read_events` returns them)."""
+    attempts = [e for e in events if _is(e, EventKind.ATTEMPT_STARTED)]
+    launched = [e.process_start for e in events if _is(e, EventKind.LAUNCHER_STARTED) and e.process_start is not None]
+    earliest = [e.time for e in events[:1]] + [e.process_start for e in attempts if e.process_start is not None]
+    timeline = Timeline(
+        start=min(launched or earliest, default=None),
+        end=max((e.time for e in events), default=None),
+        steps=[(e.time, e.iteration, e.seconds or 0.0) for e in events if _is(e, EventKind.STEP_COMPLETED, 0)],
+        restarts=_restarts(events, attempts),
+        attempts=attempts,
+        straggler_reports=[
+            (e.time, e.iteration, e.relative_scores or {}) for e in events if _is(e, EventKind.STRAGGLER_REPORT)
+        ],
+        events=events,
+        problems=list(problems or []),
+    )
+    for started in (e for e in attempts if e.rank == 0):
+        load = _of_attempt(events, EventKind.CHECKPOINT_LOADED, _attempt(started), started.time)
+        if load is not None and load.iteration is not None:
+            timeline.resumes.append((load.time, load.iteration))
+        elif _of_attempt(events, EventKind.STEP_COMPLETED, _attempt(started), started.time) is not None:
+            timeline.resumes.append((started.time, 0))  # trained from scratch
     return timeline
 
 
-def _read_report_line(raw: str, block: str, timeline: Timeline) -> str:
-    """One untimestamped line of a straggler report: keep the relative scores; return the block it is in."""
-    if not block:
-        return ""
-    if raw.endswith("performance:"):
-        return raw
-    score = _SCORE.match(raw.strip())
-    if score is not None and block == "GPU relative performance:":
-        timeline.straggler_reports[-1][2][int(score.group(1))] = float(score.group(2))
-    return block
+def _first(events: list[Event], after: float, match: Callable[[Event], bool]) -> Optional[Event]:
+    """The first event at or after ``after`` that ``match`` accepts."""
+    return next((e for e in events if e.time >= after and match(e)), None)
+
+
+def _of_attempt(events: list[Event], kind: EventKind, attempt: tuple, after: float) -> Optional[Event]:
+    """Rank 0's first event of ``kind`` in ``attempt`` (see :func:`_attempt`) at or after ``after``."""
+    return _first(events, after, lambda e: _is(e, kind, 0) and _attempt(e) == attempt)
+
+
+def _restarts(events: list[Event], attempts: list[Event]) -> list[Restart]:
+    """One :class:`Restart` per restart of any layer, its phases from its own events and its new attempt's."""
+
+    def key(e: Event) -> tuple:
+        in_process = e.layer == RestartLayer.IN_PROCESS
+        return e.layer, e.restart_count, e.inprocess_iteration if in_process else None
+
+    found: dict[tuple, Restart] = {}
+    for e in events:
+        if _is(e, EventKind.RESTART_BEGUN) and e.layer is not None and key(e) not in found:
+            found[key(e)] = Restart(e.layer, e.time, e.restart_count, e.inprocess_iteration)
+    for e in events:
+        r = found.get(key(e)) if e.kind in (EventKind.WORKERS_STOPPED, EventKind.RESTART_ENDED) else None
+        if r is None:
+            continue
+        if e.kind == EventKind.RESTART_ENDED and r.ended is None:
+            r.ended = e.time
+        if r.stopped is None and (e.kind == EventKind.WORKERS_STOPPED) == (r.layer != RestartLayer.IN_PROCESS):
+            r.stopped = e.time
+    for r in found.values():
+        new = (r.restart_count, r.inprocess_iteration if r.layer == RestartLayer.IN_PROCESS else 0)
+        starts = [a.attempt_start if a.attempt_start is not None else a.time for a in attempts if _attempt(a) == new]
+        r.spawned = min(starts, default=None)
+        load = _of_attempt(events, EventKind.CHECKPOINT_LOADED, new, r.begun)
+        if load is not None:
+            r.loaded, r.resumed_from, r.tier = load.time, load.iteration, load.tier
+            r.load_began = load.time - (load.seconds or 0.0)
+        step = _of_attempt(events, EventKind.STEP_COMPLETED, new, r.begun)
+        r.first_step = None if step is None else step.time
+        detections = [e for e in events if _is(e, EventKind.FAULT_DETECTED) and e.time <= r.begun]
+        r.cause = detections[-1] if detections else None
+    return sorted(found.values(), key=lambda r: r.begun)
 
 
 @dataclass
 class Outcome:
-    """What happened to one fault."""
+    """What happened to one scheduled fault (``None``: not seen)."""
 
     fault: DrillFault
     struck: Optional[float] = None
+    """Its ``fault_injected`` event's time."""
     detected: Optional[float] = None
+    """The first detection by a mechanism meant for it."""
     recovered: Optional[float] = None
+    """The first step completed after the resume (a NaN: its iteration completed)."""
     resumed_from: Optional[int] = None
     steps_lost: Optional[int] = None
-    restart: Optional[float] = None
-    """When the launcher restarted the workers for this fault (``None``: recovered in place)."""
-    detection_line: Optional[str] = None
-    """The log line taken as the detection."""
+    restarts: list[Restart] = field(default_factory=list)
+    """The restarts it caused, any layer, in order; the last one recovered it."""
+    detection: Optional[Event] = None
+    """The ``fault_detected`` event taken as its detection."""
+
+    @property
+    def restart(self) -> Optional[Restart]:
+        """The restart that recovered it (``None``: recovered in place, or no restart was claimed)."""
+        return self.restarts[-1] if self.restarts else None
+
+    @property
+    def relaunched(self) -> bool:
+        """The launcher restarted the workers for it (an in-job restart)."""
+        return any(r.layer == RestartLayer.IN_JOB for r in self.restarts)
+
+    @property
+    def detection_line(self) -> Optional[str]:
+        """The detection, for people (:func:`describe`)."""
+        return None if self.detection is None else describe(self.detection)
 
     @property
     def detection_s(self) -> Optional[float]:
@@ -166,100 +264,141 @@ class Outcome:
         return None not in (self.struck, self.detected, self.recovered)
 
 
-def _first(lines: list[Line], after: float, patterns: list[re.Pattern]) -> Optional[Line]:
-    return next((x for x in lines if x.time >= after - _SLACK and any(p.search(x.text) for p in patterns)), None)
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
-def outcomes(timeline: Timeline, faults: list[DrillFault], ledger: list[dict]) -> list[Outcome]:
-    """Match each scheduled fault with its strike (from the ledger), detection, restart and recovery.
+def describe(event: Event) -> str:
+    """One line for people about a detection event: its mechanism, rank, exit code or signal, timeout, detail."""
+    who = "" if event.rank is None else f"rank {event.rank}"  # a local rank alone is the writer's, not the blamed one
+    who += "" if event.rank is None or event.local_rank is None else f", local_rank: {event.local_rank}"
+    who += "" if event.exit_code is None else f" (exitcode: {event.exit_code})"
+    parts = [who.strip()] if who else []
+    if event.signal is not None:
+        parts.append(f"{'killed by ' if event.exit_code is not None else ''}{_signal_name(event.signal)}")
+    if event.section is not None or (event.seconds is not None and event.timeout is not None):
+        timed = event.seconds is not None and event.timeout is not None
+        over = f" {event.seconds:.2f} s > {event.timeout:.2f} s" if timed else ""
+        parts.append(f"section '{event.section}' open{over}" if event.section is not None else f"no heartbeat{over}")
+    if event.iteration is not None:
+        parts.append(f"at iteration {event.iteration}")
+    if event.score is not None:
+        parts.append(f"score {event.score:.3f}" + ("" if event.threshold is None else f" < {event.threshold:.3f}"))
+    text = event.mechanism.value if event.mechanism is not None else event.kind.value
+    text += f": {', '.join(parts)}" if parts else ""
+    return text + (f": {event.detail}" if event.detail else "")
 
-    A restarting fault claims the first restart after its detection and before the next restarting fault struck;
-    a restart is claimed once. A NaN counts as recovered in place only if no restart came between it and the
-    completed step.
+
+def _detects(fault: DrillFault, e: Event) -> bool:
+    """``e`` is a detection of ``fault`` by a mechanism meant for its kind."""
+    if e.kind != EventKind.FAULT_DETECTED:
+        return False
+    m = e.mechanism
+    died_by = set() if m != Mechanism.LAUNCHER_WORKER_EXIT or e.rank != fault.rank else {e.signal, -(e.exit_code or 0)}
+    if fault.kind == "kill":
+        return signal.SIGKILL in died_by
+    if fault.kind == "hang":  # under in-process restart: its soft timeout, then its hard timeout terminates the rank
+        return m in _HANG_SEEN_BY or bool(died_by & {signal.SIGKILL, signal.SIGTERM})
+    if fault.kind == "stall":
+        return m == Mechanism.INPROCESS_SOFT_TIMEOUT
+    if fault.kind == "preempt":
+        return m == Mechanism.PREEMPTION_SIGNAL
+    if fault.kind == "nan":
+        return m == Mechanism.RERUN_NAN and e.rank == fault.rank and e.iteration == fault.iteration
+    if fault.kind == "slow":
+        return m == Mechanism.STRAGGLER_SCORE and e.rank == fault.rank
+    if fault.kind == "corrupt-local":
+        return m == Mechanism.LOCAL_CHECKPOINT_HASH and e.iteration == fault.iteration
+    return False
+
+
+def _strike(events: list[Event], fault: DrillFault) -> Optional[Event]:
+    """The ``fault_injected`` event of ``fault`` (the training processes name its kind as the ledger does)."""
+    wanted = (ledger_kind(fault), fault.iteration, fault.rank)
+    injected = (e for e in events if _is(e, EventKind.FAULT_INJECTED))
+    return next((e for e in injected if (e.fault_kind, e.iteration, e.rank) == wanted), None)
+
+
+def outcomes(timeline: Timeline, faults: list[DrillFault]) -> list[Outcome]:
+    """Match each scheduled fault with its strike, detection, restarts and recovery.
+
+    A fault that reloads a checkpoint (``RELOADING``) claims the restarts of any layer that began after it struck
+    and before the next such fault struck, up to the one that recovers it (in-process for a stall, in-job for the
+    others); a restart is claimed once. A NaN is recovered in place only if no restart came between it and the
+    completed step; a corrupted local checkpoint, when the global one after it is resumed.
 
     Args:
-        timeline: the parsed log of the run with faults.
+        timeline: what the event stream of the run with faults says.
         faults: the schedule, sorted by iteration.
-        ledger: the fault ledger's records (when each fault struck).
 
     Returns:
         One :class:`Outcome` per fault, in schedule order; what could not be matched stays ``None``.
     """
     result = [Outcome(fault) for fault in faults]
     for outcome in result:
-        fault = outcome.fault
-        record = next((r for r in ledger if _is_record_of(r, fault)), None)
-        if record is not None:
-            outcome.struck = float(record["time"])
-    claimed: set[float] = set()
+        strike = _strike(timeline.events, outcome.fault)
+        outcome.struck = None if strike is None else strike.time
+    claimed: set[int] = set()
     for i, outcome in enumerate(result):
         fault = outcome.fault
         if outcome.struck is None:
             continue
-        detected = _first(timeline.lines, outcome.struck, _detection_patterns(fault))
-        if detected is None:
+        outcome.detection = _first(timeline.events, outcome.struck, lambda e, f=fault: _detects(f, e))
+        if outcome.detection is None:
             continue
-        outcome.detected = detected.time
-        outcome.detection_line = detected.text.strip()
+        outcome.detected = outcome.detection.time
         if fault.kind == "nan":
             _recovered_in_place(outcome, timeline)
         elif fault.kind == "corrupt-local":
-            _after_load(outcome, timeline, detected.time)
+            _after_load(outcome, timeline, outcome.detected)
             if outcome.resumed_from is not None:
                 outcome.steps_lost = fault.iteration - outcome.resumed_from
-        elif fault.kind == "stall":  # restarted in the same processes: no launcher restart to claim
-            _after_load(outcome, timeline, detected.time)
-            done = [it for t, it, _ in timeline.steps if t <= detected.time]
-            if outcome.resumed_from is not None and done:
-                rejected = [
-                    int(m.group(1)) for t, m in _matches(timeline, _LOCAL_REJECTED, detected.time, outcome.recovered)
-                ]
-                outcome.steps_lost = done[-1] - max([outcome.resumed_from, *rejected])
-        else:
-            later = [o.struck for o in result[i + 1 :] if o.fault.kind in RESTARTING and o.struck is not None]
-            until = min(later, default=float("inf"))
-            restart = next((t for t in timeline.restarts if detected.time - _SLACK <= t < until), None)
-            if restart is None or restart in claimed:
-                continue
-            claimed.add(restart)
-            outcome.restart = restart
-            _after_load(outcome, timeline, restart)
-            done = [it for t, it, _ in timeline.steps if t <= restart]
-            if outcome.resumed_from is not None and done:
-                # A local checkpoint rejected on the way counts as the one resumed: what the fallback cost
-                # beyond it is the corruption's loss, not this fault's.
-                rejected = [int(m.group(1)) for t, m in _matches(timeline, _LOCAL_REJECTED, restart, outcome.recovered)]
-                outcome.steps_lost = done[-1] - max([outcome.resumed_from, *rejected])
+        elif fault.kind in RELOADING:
+            later = [o.struck for o in result[i + 1 :] if o.fault.kind in RELOADING and o.struck is not None]
+            _restarted(outcome, timeline, min(later, default=float("inf")), claimed)
     return result
 
 
-def _is_record_of(record: dict, fault: DrillFault) -> bool:
-    return (record.get("kind"), record.get("iteration"), record.get("rank")) == (
-        ledger_kind(fault),
-        fault.iteration,
-        fault.rank,
-    )
+def _restarted(outcome: Outcome, timeline: Timeline, until: float, claimed: set[int]) -> None:
+    """Claim the restarts ``outcome``'s fault caused (begun from its strike to ``until``); fill in its recovery.
 
-
-def _matches(
-    timeline: Timeline, pattern: re.Pattern, since: float, until: Optional[float]
-) -> list[tuple[float, re.Match]]:
-    end = float("inf") if until is None else until
-    found = ((x.time, pattern.search(x.text)) for x in timeline.lines if since <= x.time <= end)
-    return [(t, m) for t, m in found if m is not None]
+    Steps lost: the last step completed before the recovering restart minus the checkpoint resumed; a local
+    checkpoint rejected on the way counts as the one resumed (what the fallback cost beyond it is the corruption's).
+    """
+    assert outcome.struck is not None
+    final = RestartLayer.IN_PROCESS if outcome.fault.kind == "stall" else RestartLayer.IN_JOB
+    mine = [r for r in timeline.restarts if id(r) not in claimed and outcome.struck <= r.begun < until]
+    last = next((n for n, r in enumerate(mine) if r.layer == final), None)
+    outcome.restarts = mine if last is None else mine[: last + 1]
+    claimed.update(id(r) for r in outcome.restarts)
+    if last is None:
+        return
+    begun = outcome.restarts[-1].begun
+    _after_load(outcome, timeline, begun)
+    done = [it for t, it, _ in timeline.steps if t <= begun]
+    if outcome.resumed_from is None or not done:
+        return
+    end = float("inf") if outcome.recovered is None else outcome.recovered
+    rejected = [e.iteration for e in timeline.events if _is(e, EventKind.FAULT_DETECTED) and e.iteration is not None
+                and e.mechanism == Mechanism.LOCAL_CHECKPOINT_HASH and begun <= e.time <= end]  # fmt: skip
+    outcome.steps_lost = done[-1] - max([outcome.resumed_from, *rejected])
 
 
 def _recovered_in_place(outcome: Outcome, timeline: Timeline) -> None:
     """A NaN: recovered when its iteration completes with no restart in between (else it was not in place)."""
     assert outcome.detected is not None
-    done = next((t for t, it, _ in timeline.steps if t >= outcome.detected and it == outcome.fault.iteration), None)
-    if done is None or any(outcome.detected <= t <= done for t in timeline.restarts):
+    it = outcome.fault.iteration
+    done = next((t for t, i, _ in timeline.steps if t >= outcome.detected and i == it), None)
+    if done is None or any(outcome.detected <= r.begun <= done for r in timeline.restarts):
         return
     outcome.recovered, outcome.steps_lost = done, 0
 
 
 def _after_load(outcome: Outcome, timeline: Timeline, since: float) -> None:
-    """Fill in the first checkpoint load after ``since`` and the first step completed after it."""
+    """Fill in the first resume after ``since`` and the first step completed after it."""
     load = next(((t, it) for t, it in timeline.resumes if t >= since), None)
     if load is None:
         return
@@ -268,6 +407,12 @@ def _after_load(outcome: Outcome, timeline: Timeline, since: float) -> None:
 
 
 def unexplained_restarts(timeline: Timeline, found: list[Outcome]) -> list[float]:
-    """Restarts no scheduled fault caused (a spurious timeout, say): reported, never hidden."""
-    explained = {o.restart for o in found if o.restart is not None}
-    return [t for t in timeline.restarts if t not in explained]
+    """When the restarts no scheduled fault caused began (a spurious timeout, say): reported, never hidden."""
+    explained = {id(r) for o in found for r in o.restarts}
+    return [r.begun for r in timeline.restarts if id(r) not in explained]
+
+
+def read_run(event_dir: "str | Path") -> Timeline:
+    """The :class:`Timeline` of a run's event directory (every ``events-*.jsonl``; unreadable lines in ``problems``)."""
+    events, problems = read_events(str(event_dir))
+    return build_timeline(events, problems)

@@ -4,15 +4,20 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.bridge.drill.events import Outcome, Timeline
+from megatron.bridge.training.event_stream import RestartLayer
 from megatron.bridge.utils.optional_imports import require
 
-_COLORS = {"kill": "tab:red", "hang": "tab:purple", "preempt": "tab:orange", "nan": "tab:brown", "slow": "tab:olive"}
+_COLORS = {"kill": "tab:red", "hang": "tab:purple", "stall": "tab:pink", "preempt": "tab:orange", "nan": "tab:brown",
+           "slow": "tab:olive"}  # fmt: skip
+_RESTART_STYLE = {RestartLayer.IN_JOB: ("black", ":", "in-job restart"),
+                  RestartLayer.IN_PROCESS: ("tab:gray", "--", "in-process restart"),
+                  RestartLayer.REQUEUE: ("black", "-.", "requeue")}  # fmt: skip
 
 
 def timeline_png(
     path: Path, drill: Timeline, outcomes: list[Outcome], reference: Optional[Timeline] = None, title: str = ""
 ) -> None:
-    """Plot steps (iteration vs seconds since the drill started), faults (struck → recovered), restarts.
+    """Plot steps (iteration vs seconds since the drill started), faults (struck → recovered), restarts by layer.
 
     Args:
         path: the PNG to write.
@@ -33,8 +38,11 @@ def timeline_png(
                 lw=1.2, label="fault-free reference")  # fmt: skip
     ax.plot([t - t0 for t, _, _ in drill.steps], [it for _, it, _ in drill.steps], ".", ms=3, color="tab:blue",
             label="drill: completed steps (rank 0)")  # fmt: skip
-    for i, t in enumerate(drill.restarts):
-        ax.axvline(t - t0, color="black", lw=0.8, ls=":", label="in-job restart" if i == 0 else None)
+    labelled: set[RestartLayer] = set()
+    for r in drill.restarts:
+        color, style, label = _RESTART_STYLE[r.layer]
+        ax.axvline(r.begun - t0, color=color, lw=0.8, ls=style, label=None if r.layer in labelled else label)
+        labelled.add(r.layer)
     top = max((it for _, it, _ in drill.steps), default=1)
     span = max((drill.end or t0) - t0, 1.0)
     last_label_x, low = float("-inf"), False

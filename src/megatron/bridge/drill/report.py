@@ -1,4 +1,8 @@
-"""The drill's results: the fault table, goodput, the equality verdict, as text, JSON and TensorBoard scalars."""
+"""The drill's results: the fault table, the restart phases, goodput, the verdict, as text, JSON and TensorBoard.
+
+Everything comes from the typed outcomes and timeline ``events.py`` built from the job's event stream; lines of the
+event files that could not be read are listed, with file and line number, under the tables.
+"""
 
 import json
 import logging
@@ -6,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron.bridge.drill.events import DETECTED_BY, RECOVERED_BY, Outcome, Timeline
+from megatron.bridge.drill.events import DETECTED_BY, Outcome, Restart, Timeline, recovered_by
+from megatron.bridge.training.event_stream import Mechanism, RestartLayer
+from megatron.bridge.training.event_stream import to_json as to_event_json
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,13 @@ def _secs(value: Optional[float]) -> str:
 
 
 def fault_table(result: DrillResult) -> str:
+    """The fault table (one row per fault), then the restart phases and any skipped event lines."""
+    sections = [faults_only_table(result), "", "Restarts (seconds of each phase):", "", restart_table(result)]
+    problems = problem_lines(result)
+    return "\n".join(sections + ([""] + problems if problems else []))
+
+
+def faults_only_table(result: DrillResult) -> str:
     """The markdown table: one row per fault."""
     t0 = result.timeline.start or 0.0
     rows = [
@@ -59,8 +72,8 @@ def fault_table(result: DrillResult) -> str:
     ]
     for o in result.outcomes:
         struck = "never struck" if o.struck is None else f"{o.struck - t0:.1f} s, it {o.fault.iteration}"
-        detected = DETECTED_BY[o.fault.kind] if o.detected is not None else "**not detected**"
-        recovered = RECOVERED_BY[o.fault.kind] if o.recovered is not None else "**not recovered**"
+        detected = _detected_by(o) if o.detection is not None else "**not detected**"
+        recovered = recovered_by(o) if o.recovered is not None else "**not recovered**"
         resumed = "—" if o.resumed_from is None else f"iteration {o.resumed_from}"
         lost = "—" if o.steps_lost is None else str(o.steps_lost)
         rows.append(
@@ -68,6 +81,54 @@ def fault_table(result: DrillResult) -> str:
             f"| {_secs(o.recovery_s)} | {resumed} | {lost} |"
         )
     return "\n".join(rows + _undetected_stragglers(result))
+
+
+def _detected_by(o: Outcome) -> str:
+    e = o.detection
+    assert e is not None and e.mechanism is not None
+    text = DETECTED_BY.get(e.mechanism, e.mechanism.value)
+    if e.mechanism == Mechanism.LAUNCHER_WORKER_EXIT:
+        text += f" ({f'signal {e.signal}' if e.signal else f'exit code {e.exit_code}'})"
+    elif e.section is not None:
+        text += f" ({e.section})"
+    return text if e.rank is None or e.mechanism == Mechanism.PREEMPTION_SIGNAL else f"{text}, rank {e.rank}"
+
+
+def _cause(result: DrillResult, restart: Restart) -> str:
+    for o in result.outcomes:
+        if any(r is restart for r in o.restarts):
+            return o.fault.label
+    return "**unexplained**"
+
+
+def restart_table(result: DrillResult) -> str:
+    """The markdown table of every restart and the seconds of each of its phases."""
+    t0 = result.timeline.start or 0.0
+    rows = [
+        "| restart | at | layer | cause | teardown | spawn | setup | load (resumed from) | first step | total |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, r in enumerate(result.timeline.restarts, start=1):
+        p = r.phases()
+        resumed = "" if r.resumed_from is None else f" (it {r.resumed_from}{', ' + r.tier if r.tier else ''})"
+        rows.append(
+            f"| {n} | {r.begun - t0:.1f} s | {r.layer.value} | {_cause(result, r)} | {_secs(p['teardown'])} "
+            f"| {_secs(p['spawn'])} | {_secs(p['setup'])} | {_secs(p['load'])}{resumed} | {_secs(p['first_step'])} "
+            f"| {_secs(p['total'])} |"
+        )
+    if not result.timeline.restarts:
+        rows.append("| — | | | no restart | | | | | | |")
+    return "\n".join(rows)
+
+
+def problem_lines(result: DrillResult) -> list[str]:
+    """The event-file lines the reader skipped (truncated, not JSON, unknown version or kind), if any."""
+    problems = result.timeline.problems
+    if not problems:
+        return []
+    shown = [f"  {p}" for p in problems[:20]]
+    more = [f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else []
+    return [f"event stream: {len(problems)} line(s) skipped:", *shown, *more]
 
 
 def _undetected_stragglers(result: DrillResult) -> list[str]:
@@ -100,8 +161,9 @@ def goodput_lines(result: DrillResult) -> list[str]:
             f"goodput: {g['goodput']:.3f} (productive {g['productive_s']:.1f} s of {g['wall_s']:.1f} s wall, "
             f"{g.get('attempts', '?')} attempts) | lost: {lost}"
         )
-    restarts = len(result.timeline.restarts)
-    line = f"drill wall time {result.wall_s:.1f} s, {restarts} restart(s)"
+    layers = [r.layer for r in result.timeline.restarts]
+    counts = ", ".join(f"{layers.count(layer)} {layer.value}" for layer in RestartLayer if layer in layers)
+    line = f"drill wall time {result.wall_s:.1f} s, {len(layers)} restart(s){f' ({counts})' if counts else ''}"
     if result.reference_wall_s:
         line += (
             f"; the fault-free reference took {result.reference_wall_s:.1f} s "
@@ -144,8 +206,21 @@ def to_json(result: DrillResult) -> dict[str, Any]:
         "final_iteration": result.final_iteration,
         "goodput": result.goodput,
         "reference_goodput": result.reference_goodput,
-        "restarts_s": [t - t0 for t in result.timeline.restarts],
+        "restarts_s": [r.begun - t0 for r in result.timeline.restarts_of(RestartLayer.IN_JOB)],
+        "inprocess_restarts_s": [r.begun - t0 for r in result.timeline.restarts_of(RestartLayer.IN_PROCESS)],
         "unexplained_restarts_s": [t - t0 for t in result.unexplained_restarts],
+        "restart_phases": [
+            {
+                "at_s": r.begun - t0,
+                "layer": r.layer.value,
+                "cause": _cause(result, r),
+                "resumed_from": r.resumed_from,
+                "tier": r.tier,
+                **{f"{name}_s": seconds for name, seconds in r.phases().items()},
+            }
+            for r in result.timeline.restarts
+        ],  # fmt: skip
+        "event_problems": [str(p) for p in result.timeline.problems],
         "faults": [
             {
                 "fault": o.fault.label,
@@ -159,7 +234,9 @@ def to_json(result: DrillResult) -> dict[str, Any]:
                 "recovery_time_s": o.recovery_s,
                 "resumed_from": o.resumed_from,
                 "steps_lost": o.steps_lost,
-                "restarted": o.restart is not None,
+                "restarted": o.relaunched,
+                "restart_layers": [r.layer.value for r in o.restarts],
+                "detection": None if o.detection is None else to_event_json(o.detection),
                 "detection_line": o.detection_line,
             }
             for o in result.outcomes

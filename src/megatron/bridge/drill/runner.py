@@ -1,4 +1,9 @@
-"""Launch a training job, keep its whole log, show progress while it runs, and act on what it prints."""
+"""Launch a training job, keep its whole log, and show progress while it runs.
+
+The run's facts (faults, detections, restarts, checkpoints, steps) go to its event stream (the directory the
+command names), not to its log: the progress lines shown while it runs are for people only; nothing is read back
+from them.
+"""
 
 import logging
 import os
@@ -33,8 +38,8 @@ def launch_and_watch(
 ) -> int:
     """Run ``cmd`` to the end (or ``timeout`` seconds), writing its output to ``log_path``; return its exit code.
 
-    ``out`` gets a progress line every 10 iterations and each line
-    that marks a fault, a detection, a restart or a resume, prefixed with ``label`` and the seconds since start.
+    ``out`` gets a progress line every 10 iterations and each line that marks a fault, a detection, a restart
+    or a resume, prefixed with ``label`` and the seconds since start.
     """
     start = time.monotonic()
     proc = subprocess.Popen(
