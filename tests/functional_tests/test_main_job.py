@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.bridge.drill import schedule
+from megatron.bridge.drill import events, schedule
+from megatron.bridge.training.event_stream import EventKind
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_COMMANDS = ("bash scripts/run_main_job.sh", "mbridge-verify-checkpoint runs/main_job/checkpoints --all")
@@ -72,13 +73,21 @@ def test_every_fault_was_detected_and_recovered(main_job):
     # The stall (at 47) is recovered in the same processes, without the launcher; it loses only its own step: 46,
     # past the local checkpoint its restart tried; the rest is the corruption's.
     stall = by_kind["stall"]
-    assert not stall["restarted"] and stall["resumed_from"] == fallback and stall["steps_lost"] == 1
-    assert "SOFT_TIMEOUT" in stall["detection_line"]
-    log = (run_dir / "train.log").read_text()
-    for rank in (0, 1):
-        assert f"[rank{rank}] WARNING megatron.bridge.training.inprocess_restart: in-process restart: iteration 1" in (
-            log
-        )
+    assert not stall["restarted"] and stall["restart_layers"] == ["in_process"]
+    assert stall["resumed_from"] == fallback and stall["steps_lost"] == 1
+    assert stall["detection"]["mechanism"] == "inprocess_soft_timeout"
+    # The layers as the event stream records them: the stall restarted in the same processes (the same pid before
+    # and after on each rank), every other restart was the launcher's.
+    timeline = events.read_run(run_dir / "events")
+    assert timeline.problems == []
+    layers = [r.layer.value for r in timeline.restarts]
+    assert layers.count("in_process") == 1 and layers.count("in_job") == len(restarting)
+    started = {(e.rank, e.restart_count, e.inprocess_iteration): e.pid
+               for e in timeline.events if e.kind == EventKind.ATTEMPT_STARTED}  # fmt: skip
+    again = [key for key in started if key[2] == 1]
+    assert sorted(rank for rank, _, _ in again) == [0, 1], started
+    for rank, restarts, _ in again:
+        assert started[(rank, restarts, 1)] == started[(rank, restarts, 0)], started
     # One launcher restart per restarting fault, none unexplained (a false alarm fails the drill).
     assert len(result["restarts_s"]) == len(restarting) and result["unexplained_restarts_s"] == []
     assert "local_rank: 1" in by_kind["kill"]["detection_line"] and "exitcode: -9" in by_kind["kill"]["detection_line"]
