@@ -139,6 +139,10 @@ def wrap(
             # The store env:// would use, created once per call with the ranks the launcher gave (reserves
             # included), before the wrapper renumbers ranks: a rank renumbered 0 later must not host a second one.
             store, _, _ = next(dist.rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
+        # What exists now (imports, config) lives as long as the process: moved out of the collector's sight, the
+        # full collections the wrapper runs between iterations walk only what training built (on a 2-core machine
+        # the abort-to-next-iteration time fell from 0.86 s to 0.1 s with this and no second collection of ours).
+        gc.freeze()
         try:
             result = wrapped(*args, store=store, **kwargs)
         except inprocess.exception.RestartAbort as err:
@@ -210,10 +214,11 @@ def build_wrapper(
 
         def __call__(self, state: Any) -> Any:
             teardown()
-            while gc.collect():
-                pass
             if cfg.empty_cuda_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
+                gc.collect()  # the aborted iteration's tensors, so that their cached blocks can be released
                 torch.cuda.empty_cache()
+            # Otherwise the wrapper's own collection before the next iteration frees them (a second one here cost
+            # 0.35 s of every restart on a 2-core machine).
             return state
 
     health_checks = [inprocess.health_check.FaultCounter(max_rank_faults=cfg.max_rank_faults)]
