@@ -8,13 +8,14 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from tests import processes
 from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import compare
+from megatron.bridge.training.event_stream import Event, EventKind, read_events
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "examples" / "pretrain_tiny_gpt.py"
@@ -35,10 +36,18 @@ class Run:
     exit_code: int
     """Exit code of the launcher, which is that of the first training process that failed."""
     output: str
+    event_dir: Optional[Path] = None
+    """Where the launcher and the ranks wrote their events (``<checkpoint.save>/events``, the default)."""
 
     def losses(self) -> dict[int, float]:
         """The loss rank 0 logged at each iteration."""
         return {int(m.group(1)): float(m.group(2)) for m in _LOSS_RE.finditer(self.output)}
+
+    def events(self, kind: Optional[EventKind] = None) -> list[Event]:
+        """The run's events in time order (of ``kind`` only, if given); a line the reader skipped fails the test."""
+        found, problems = read_events(str(self.event_dir))
+        assert not problems, problems
+        return [e for e in found if kind is None or e.kind == kind]
 
 
 def kill_processes_with_marker(marker: str) -> list[int]:
@@ -86,7 +95,8 @@ def ft_launcher(
 ) -> Run:
     """Like :func:`torchrun`, launched by nvidia-resiliency-ext's ``ft_launcher`` with in-job restarts."""
     launcher = [
-        sys.executable, "-m", "megatron.bridge.ft_launch", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        sys.executable, "-m", "megatron.bridge.ft_launch", f"--event-dir={ckpt_dir / 'events'}",
+        "--nproc-per-node=2", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
         *(FT_FLAGS if ft_flags is None else ft_flags),
     ]  # fmt: skip
@@ -123,7 +133,7 @@ def launch(
         output = out.read()
     if returncode == -999:
         raise AssertionError(f"training did not finish within {timeout} s:\n{output[-4000:]}\n{stuck}")
-    return Run(returncode, output)
+    return Run(returncode, output, ckpt_dir / "events")
 
 
 @dataclass
