@@ -132,8 +132,8 @@ class LauncherEvents:
         self.rank_monitor_writer.emit(
             EventKind.FAULT_DETECTED,
             mechanism=mechanism,
-            rank=info.global_rank,
-            local_rank=info.local_rank,
+            rank=int(info.global_rank),  # the rank monitor holds the ranks as the launcher's strings
+            local_rank=int(info.local_rank),
             section=section,
             seconds=elapsed,
             timeout=timeout,

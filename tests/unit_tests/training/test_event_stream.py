@@ -155,6 +155,8 @@ def test_writing_never_raises_and_nothing_is_written_without_a_directory(tmp_pat
     ok = _writer(tmp_path)
     assert ok.emit(EventKind.EXIT, no_such_field=1) is None
     assert ok.emit(EventKind.FAULT_DETECTED, mechanism="telepathy") is None
+    # What the reader would skip is refused at the writer, where the mistake is made (a rank as the launcher's string).
+    assert ok.emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.LAUNCHER_WORKER_EXIT, rank="1") is None
     assert "bad fields" in caplog.text
     event_stream.configure(None, rank=0)
     assert event_stream.writer() is None and event_stream.emit(EventKind.EXIT, exit_code=0) is None

@@ -259,6 +259,10 @@ def to_json(event: Event) -> dict[str, Any]:
     return out
 
 
+_TYPED = frozenset(f.name for f in dataclasses.fields(Event)) - {"kind", "time", "mono", "process", "host", "pid"}
+"""The fields an emitter sets, checked as the reader checks them (the writer sets the others itself)."""
+
+
 def _coerce(name: str, value: Any) -> Any:
     """``value`` of field ``name`` as its type; ``ValueError`` naming the problem."""
     if value is None:
@@ -377,7 +381,8 @@ class EventWriter:
         """Append one event of ``kind`` with ``fields`` (names of :class:`Event`); the event, or ``None`` if dropped."""
         try:
             values = {**self.context, **fields}
-            values.update({name: _coerce(name, values[name]) for name in _ENUMS if name in values})
+            # The reader's rules on every known field (an unknown name fails in Event below).
+            values = {name: _coerce(name, v) if name in _TYPED else v for name, v in values.items()}
             event = Event(
                 kind=EventKind(kind),
                 time=time.time(),
