@@ -165,3 +165,33 @@ def test_under_inprocess_restart_hang_timeouts_stay_above_its_hard_timeout(tmp_p
     fault_tolerance.setup(cfg, state)
     fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=state)
     assert state.rank_monitor_client.section_timeouts.section["step"] == 5.0
+
+
+class HeartbeatClient(FakeRankMonitorClient):
+    """A launcher without section timeouts: heartbeats, whose subsequent timeout is the hang timeout."""
+
+    sections = {}
+
+    def __init__(self):
+        from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
+
+        super().__init__()
+        self.hb_timeouts = HeartbeatTimeouts(initial=600.0, subsequent=20.0)
+
+    def send_heartbeat(self):
+        self.calls.append("heartbeat")
+
+    def _set_calculated_timeouts(self, new_hb_timeouts, new_section_timeouts):
+        assert new_section_timeouts is None
+        self.hb_timeouts = new_hb_timeouts
+
+
+def test_under_inprocess_restart_the_heartbeat_timeout_stays_above_its_hard_timeout(tmp_path, monkeypatch):
+    import nvidia_resiliency_ext.fault_tolerance as ft_package
+
+    monkeypatch.setattr(ft_package, "RankMonitorClient", HeartbeatClient)
+    monkeypatch.setenv("RANK", "0")
+    cfg, state = _state(tmp_path, "ft.enable_ft_package=true", "inprocess_restart.enabled=true")
+    fault_tolerance.setup(cfg, state)
+    hb = state.rank_monitor_client.hb_timeouts
+    assert (hb.initial, hb.subsequent) == (600.0, cfg.inprocess_restart.hard_timeout)
