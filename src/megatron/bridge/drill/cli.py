@@ -122,10 +122,10 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
 
     The rank monitor's sections, preemption handling and the liveness ping work in every layer.
 
-    In-process restart declares a rank hung after 6 s without a finished step or save (a step takes well under a
-    second here, a blocking save about one, a restart's setup before its first step 2-3 s under load) and terminates
-    one it cannot abort after 10 s (4 s to unwind after the soft abort); the rank monitor's step timeout is kept above
-    that (``fault_tolerance.py``).
+    In-process restart declares a rank hung after 3 s without progress (a finished step, save or setup phase: a step
+    takes well under a second here, a blocking save or a setup phase about one under load), gathers the other ranks'
+    faults for 0.3 s, and terminates a rank it cannot abort after 6 s (3 s to unwind after the soft abort); its
+    monitors look every 0.5 s. The rank monitor's step timeout is kept above the 6 s (``fault_tolerance.py``).
 
     Straggler detection stops the job on a rank scoring below 0.15 against the fastest one in two reports in a row
     (the slowed rank scores about 0.07 in every report; healthy ranks scored 0.29, and once 0.14 in a single report
@@ -147,8 +147,10 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
         "nvrx_straggler.stop_after_consecutive_reports=2",
         "train.exit_signal_handler=true",
         "health.liveness_ping_interval=10", "health.liveness_ping_timeout=30",
-        "inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=6", "inprocess_restart.hard_timeout=10",
-        "inprocess_restart.heartbeat_interval=1", "inprocess_restart.heartbeat_timeout=5",
+        "inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=3", "inprocess_restart.hard_timeout=6",
+        "inprocess_restart.last_call_wait=0.3", "inprocess_restart.monitor_thread_interval=0.5",
+        "inprocess_restart.monitor_process_interval=0.5", "inprocess_restart.progress_watchdog_interval=1",
+        "inprocess_restart.heartbeat_interval=1", "inprocess_restart.heartbeat_timeout=4",
         "inprocess_restart.barrier_timeout=60", "inprocess_restart.completion_timeout=60",
         f"inprocess_restart.monitor_process_logdir={run / 'inprocess'}",
         "logger.log_interval=1", f"logger.tensorboard_dir={tensorboard}",

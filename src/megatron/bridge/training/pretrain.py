@@ -162,6 +162,10 @@ def _pretrain(
         restart.cleanups.append(teardown)
     try:
         device = initialize_distributed(cfg, store=restart.process_group_store() if restart is not None else None)
+        # In-process restart's watchdog sees progress at each finished phase of the setup too: its soft timeout then
+        # bounds one phase (a stuck rendezvous, load or data build), not the whole setup.
+        setup_done = restart.ping if restart is not None else lambda: None
+        setup_done()
         check_device_health(device)
         if dist.get_rank() == 0 and attribution_dir is not None:
             summarize_earlier_attempts(attribution_dir, attempt)
@@ -182,11 +186,13 @@ def _pretrain(
         init_rerun_state(cfg)
         rerun = RerunController(cfg.rerun_state_machine, cfg.checkpoint.save)
         model = provide_distributed_model(cfg.model, device, cfg.ddp)
+        setup_done()
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
         state = global_state.train_state
         recorder.load_begins()
         checkpoints.load(model, optimizer, scheduler, state)
+        setup_done()
         state.do_train = state.step < cfg.train.train_iters
         if checkpoints.resumed["tier"] is not None:
             fault_tolerance.on_checkpoint_loaded(checkpoints.resumed["tier"] == "local", global_state)
@@ -231,6 +237,7 @@ def _pretrain(
             ),
         )
         data_iterator = started(data_iterator)  # loader workers start inside ``setup``, not the first step
+        setup_done()
         eval_forward_step = prepare_forward_step_func(forward_step_func, global_state)  # training wraps it more
         registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
         fault_tolerance.maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed)
