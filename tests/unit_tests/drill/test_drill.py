@@ -367,3 +367,28 @@ def test_a_slow_rank_needs_room_to_be_found(spec):
         schedule.check(schedule.parse(spec), PLAN)
     with pytest.raises(ValueError, match="2 or more ranks"):
         schedule.check(schedule.parse("slow@20:0"), Plan(100, 1, 20, 5, 6))
+
+
+def test_a_survivors_in_process_restart_cut_short_by_the_launchers_stop_belongs_to_the_kill(tmp_path, monkeypatch):
+    run = Run(tmp_path, monkeypatch).attempt(9.5)
+    for i in range(1, 6):
+        run.step(10.0 + i, i)
+    run.strike(15.5, DrillFault("kill", 6, 1)).worker_died(15.6, 1)
+    run.at(15.7, "launcher", EventKind.RESTART_BEGUN, layer=RestartLayer.IN_JOB, restart_count=1)
+    # Rank 0's wrapper saw its peer die and began restarting in place; the launcher's stop ended it (no end event).
+    run.detect(15.8, Mechanism.INPROCESS_DEAD_PEER, 0, rank=1)
+    run.at(15.9, 0, EventKind.RESTART_BEGUN, layer=RestartLayer.IN_PROCESS, inprocess_iteration=1)
+    run.at(16.2, "launcher", EventKind.WORKERS_STOPPED, layer=RestartLayer.IN_JOB, restart_count=1)
+    run.at(16.7, "launcher", EventKind.RESTART_ENDED, layer=RestartLayer.IN_JOB, restart_count=1)
+    run.attempt(17.0, restart_count=1).load(17.5, 4, took=0.3).step(17.6, 5)
+    timeline = run.timeline()
+    (outcome,) = events.outcomes(timeline, schedule.parse("kill@6:1"))
+    assert [r.layer for r in outcome.restarts] == [RestartLayer.IN_JOB, RestartLayer.IN_PROCESS]
+    assert events.unexplained_restarts(timeline, [outcome]) == []
+    assert outcome.resumed_from == 4 and outcome.steps_lost == 1 and outcome.recovered == pytest.approx(T0 + 17.6)
+
+    # One that began after the workers were stopped is another matter: reported, never hidden.
+    run.at(16.3, 0, EventKind.RESTART_BEGUN, layer=RestartLayer.IN_PROCESS, inprocess_iteration=2)
+    later = run.timeline()
+    (outcome,) = events.outcomes(later, schedule.parse("kill@6:1"))
+    assert events.unexplained_restarts(later, [outcome]) == [pytest.approx(T0 + 16.3)]

@@ -372,11 +372,11 @@ def _restarted(outcome: Outcome, timeline: Timeline, until: float, claimed: set[
     final = RestartLayer.IN_PROCESS if outcome.fault.kind == "stall" else RestartLayer.IN_JOB
     mine = [r for r in timeline.restarts if id(r) not in claimed and outcome.struck <= r.begun < until]
     last = next((n for n, r in enumerate(mine) if r.layer == final), None)
-    outcome.restarts = mine if last is None else mine[: last + 1]
+    outcome.restarts = mine if last is None else mine[: last + 1] + _cut_short(mine[last], mine[last + 1 :])
     claimed.update(id(r) for r in outcome.restarts)
     if last is None:
         return
-    begun = outcome.restarts[-1].begun
+    begun = mine[last].begun
     _after_load(outcome, timeline, begun)
     done = [it for t, it, _ in timeline.steps if t <= begun]
     if outcome.resumed_from is None or not done:
@@ -385,6 +385,21 @@ def _restarted(outcome: Outcome, timeline: Timeline, until: float, claimed: set[
     rejected = [e.iteration for e in timeline.events if _is(e, EventKind.FAULT_DETECTED) and e.iteration is not None
                 and e.mechanism == Mechanism.LOCAL_CHECKPOINT_HASH and begun <= e.time <= end]  # fmt: skip
     outcome.steps_lost = done[-1] - max([outcome.resumed_from, *rejected])
+
+
+def _cut_short(in_job: Restart, later: list[Restart]) -> list[Restart]:
+    """In-process restarts a survivor began while the launcher was stopping the workers, which never ended.
+
+    The survivor's own layer sees the dead peer too, and may react inside the launcher's stop window: that restart is
+    part of the same recovery, not a new one.
+    """
+    if in_job.layer != RestartLayer.IN_JOB:
+        return []
+    stopped = in_job.stopped if in_job.stopped is not None else in_job.ended
+    return [
+        r for r in later
+        if r.layer == RestartLayer.IN_PROCESS and r.ended is None and stopped is not None and r.begun <= stopped
+    ]  # fmt: skip
 
 
 def _recovered_in_place(outcome: Outcome, timeline: Timeline) -> None:
