@@ -97,7 +97,9 @@ def test_save_past_the_deadline_exits_and_the_previous_checkpoint_stays(referenc
 def test_signal_to_the_whole_process_tree_still_saves_when_workers_are_protected(tmp_path):
     workers = ("dataset.num_workers=1", HANDLER)
     unprotected = torchrun(tmp_path / "a", *workers, env={"MBRIDGE_FAULTS": "sigterm-tree@5:1"})
-    assert unprotected.exit_code == 1, tail(unprotected)  # crashed: its data-loader worker died on the signal
+    # Crashed: its data-loader worker died on the signal; the signal, which no step boundary could act on any more,
+    # then ends the process as it would without the handler.
+    assert unprotected.exit_code == 128 + 15, tail(unprotected)
     assert "torch/utils/data/dataloader.py" in unprotected.output, tail(unprotected)
     protected = torchrun(
         tmp_path / "b",

@@ -294,6 +294,7 @@ def _pretrain(
         logger.info("training stopped at iteration %d: %s (exit code %d)", state.step, reason, int(code))
         return code
     except BaseException as err:
+        signals.unwinding = err  # a preemption signal from now on finds no step boundary: it ends the process
         if checkpoints is not None:
             checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
         abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)

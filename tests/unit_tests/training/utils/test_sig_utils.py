@@ -71,3 +71,22 @@ def test_deadline_exits_with_its_code_unless_cancelled():
     cancelled.cancel()
     time.sleep(0.4)
     assert exits == [18]
+
+
+def test_a_signal_received_while_unwinding_is_delivered_again_on_release(caplog):
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        with DistributedSignalHandler(signal.SIGUSR1) as handler:  # a run that stops for it: recorded, not re-sent
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler.received and seen == []
+        with DistributedSignalHandler(signal.SIGUSR1) as handler:  # a run ending with an error: nobody acts on it
+            handler.unwinding = RuntimeError("the error the run ends with")
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+        assert "ending with RuntimeError" in caplog.text and "the error the run ends with" in caplog.text
+        with DistributedSignalHandler(signal.SIGUSR1) as handler:  # unwinding without a signal: nothing to send
+            handler.unwinding = RuntimeError()
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

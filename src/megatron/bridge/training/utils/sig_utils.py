@@ -46,6 +46,11 @@ class DistributedSignalHandler:
         """``time.monotonic()`` of the first receipt, or ``None``."""
         self.released = False
         """The previous handler is back (set by :meth:`release`)."""
+        self.unwinding: Optional[BaseException] = None
+        """The error a run is ending with, set by the run: no step boundary will act on a signal received now, so
+        :meth:`release` logs the error with its traceback and delivers the signal again to the previous handler (by
+        default the process ends on it). A launcher stopping the survivors of a failed rank, say, then stops them at
+        once instead of waiting out its timeout."""
         self._previous: Any = None
         self._installed = False
 
@@ -78,7 +83,7 @@ class DistributedSignalHandler:
 
     def __enter__(self) -> "DistributedSignalHandler":
         self.received_at = None
-        self.released = False
+        self.released, self.unwinding = False, None
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not in the main thread: %s is not handled; the process will die on it", self.sig.name)
             return self
@@ -96,6 +101,14 @@ class DistributedSignalHandler:
         signal.signal(self.sig, self._previous)
         self._installed = False
         self.released = True
+        if self.unwinding is not None and self.received:
+            logger.error(
+                "%s arrived while the run was ending with %s: delivered again",
+                self.sig.name,
+                type(self.unwinding).__name__,
+                exc_info=self.unwinding,
+            )
+            os.kill(os.getpid(), self.sig)
         return True
 
 
