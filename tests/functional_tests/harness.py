@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from tests import processes
 from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import compare
-from megatron.bridge.training.event_stream import Event, EventKind, read_events
+from megatron.bridge.training.event_stream import Event, EventKind, Mechanism, read_events
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "examples" / "pretrain_tiny_gpt.py"
@@ -38,6 +39,8 @@ class Run:
     output: str
     event_dir: Optional[Path] = None
     """Where the launcher and the ranks wrote their events (``<checkpoint.save>/events``, the default)."""
+    started: float = 0.0
+    """Unix time of the launch: events before it belong to earlier runs on the same checkpoint directory."""
 
     def losses(self) -> dict[int, float]:
         """The loss rank 0 logged at each iteration."""
@@ -47,7 +50,15 @@ class Run:
         """The run's events in time order (of ``kind`` only, if given); a line the reader skipped fails the test."""
         found, problems = read_events(str(self.event_dir))
         assert not problems, problems
-        return [e for e in found if kind is None or e.kind == kind]
+        return [e for e in found if e.time >= self.started and (kind is None or e.kind == kind)]
+
+    def loaded(self, rank: int = 0) -> list[int]:
+        """The iterations of the checkpoints ``rank`` loaded, in order (one per start that resumed)."""
+        return [e.iteration for e in self.events(EventKind.CHECKPOINT_LOADED) if e.rank == rank]
+
+    def detected(self, mechanism: Mechanism) -> list[Event]:
+        """The ``fault_detected`` events of ``mechanism``."""
+        return [e for e in self.events(EventKind.FAULT_DETECTED) if e.mechanism == mechanism]
 
 
 def kill_processes_with_marker(marker: str) -> list[int]:
@@ -114,7 +125,7 @@ def launch(
     """Run ``launcher`` on the tiny GPT entry script (or ``entry``) with checkpoints in ``ckpt_dir``."""
     script = entry or [str(ENTRY)]
     cmd = [*launcher, *script, f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides]
-    marker = uuid.uuid4().hex
+    marker, started = uuid.uuid4().hex, time.time()
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, **(env or {})}
     with tempfile.TemporaryFile(mode="w+") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO)
@@ -133,7 +144,7 @@ def launch(
         output = out.read()
     if returncode == -999:
         raise AssertionError(f"training did not finish within {timeout} s:\n{output[-4000:]}\n{stuck}")
-    return Run(returncode, output, ckpt_dir / "events")
+    return Run(returncode, output, ckpt_dir / "events", started)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from tests.functional_tests.harness import (
 )
 
 from megatron.bridge.training.checkpoint.compare import flatten as _flatten
+from megatron.bridge.training.event_stream import Mechanism
 from megatron.bridge.training.rng import rng_state_from_tensor
 
 VALIDATE = "rerun_state_machine.rerun_mode=validate_results"
@@ -49,7 +50,7 @@ def test_transient_nan_is_rerun_found_not_reproducible_and_training_continues(re
     reference, reference_ckpt = reference_tp1
     run = torchrun(tmp_path / "ckpt", VALIDATE, env={"MBRIDGE_FAULTS": "nan@5:1"})
     assert run.exit_code == 0, tail(run)
-    assert "Unexpected result nan on rank 1 at iteration #5" in run.output, tail(run)
+    assert [(e.rank, e.iteration) for e in run.detected(Mechanism.RERUN_NAN)] == [(1, 5)], tail(run)
     assert "First rerun: unexpected result is not reproducible within the tolerance" in run.output
     assert "iteration 5: the failed check (found NaN in local forward loss calculation) was not reproduced" in (
         run.output
@@ -97,8 +98,7 @@ def test_persistent_nan_with_fallback_sets_the_checkpoint_aside_then_stops(tmp_p
     assert "that checkpoint was set aside and the next start resumes from iteration 3" in run.output
     assert "one fallback to an older checkpoint" in run.output
     assert (ckpt / "iter_0000004.rerun_failed").is_dir()  # set aside, never deleted
-    loads = re.findall(r"\[rank0\].*successfully loaded verified checkpoint \S+ at iteration (\d+)", run.output)
-    assert loads == ["4", "3", "4"], loads
+    assert run.loaded() == [4, 3, 4]
 
 
 def test_nan_stops_every_rank_before_the_step_and_the_resumed_run_loses_nothing(reference_tp1, tmp_path):
