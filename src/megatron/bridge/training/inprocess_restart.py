@@ -20,9 +20,9 @@ Mapping of :class:`InProcessRestartConfig` onto the wrapper (every field reaches
 - ``max_rank_faults``: a fault-counting health check that retires a rank past that many faults;
 - ``monitor_process_logdir``: one monitor-process log per rank in that directory.
 
-The progress watchdog is fed from the train loop (:meth:`RestartIteration.ping` after every step and save): a rank
-that stops completing steps, whether it holds the GIL or waits with it released, is declared hung after
-``soft_timeout`` even while its threads stay alive.
+The progress watchdog is fed from the train loop (:meth:`RestartIteration.ping` after every step and save, and by
+``pretrain`` after each setup phase): a rank that stops completing them, whether it holds the GIL or waits with it
+released, is declared hung after ``soft_timeout`` even while its threads stay alive.
 """
 
 import datetime
