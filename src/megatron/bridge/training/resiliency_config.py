@@ -134,7 +134,8 @@ class InProcessRestartConfig:
     """Maximum in-process restarts (the training function runs at most this + 1 times); then the processes exit
     with code 22 and an outer launcher may restart the job. ``None`` is unlimited."""
     monitor_thread_interval: float = 1.0
-    """Seconds between checks of the wrapper's monitor thread (in the training process)."""
+    """Seconds between checks of the wrapper's monitor thread (in the training process). A finished run waits up to
+    this long for the thread to stop before the process can exit: each exit that ends in an in-job restart pays it."""
     monitor_process_interval: float = 1.0
     """Seconds between checks of the wrapper's monitor process."""
     progress_watchdog_interval: float = 2.0
