@@ -1,12 +1,21 @@
 """In-process restart: validation, the mapping of every config field onto the real ``inprocess.Wrapper``, teardown."""
 
 import datetime
+import socket
+import threading
+import time
 
 import pytest
+import torch
 from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training.config import InProcessRestartConfig
-from megatron.bridge.training.inprocess_restart import RestartIteration, build_wrapper, maybe_wrap_for_inprocess_restart
+from megatron.bridge.training.inprocess_restart import (
+    RestartIteration,
+    _wait_until_listening,
+    build_wrapper,
+    maybe_wrap_for_inprocess_restart,
+)
 from megatron.bridge.training.pretrain import _Teardown
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.utils.overrides import apply_overrides
@@ -203,3 +212,41 @@ def test_maybe_wrap_returns_the_function_and_a_store_as_megatron_bridge_does(ipr
     assert maybe_wrap_for_inprocess_restart(train_fn, None, GlobalState()) == (train_fn, None)
     wrapped, store = maybe_wrap_for_inprocess_restart(train_fn, InProcessRestartConfig(enabled=True), GlobalState())
     assert wrapped is not train_fn and callable(wrapped) and store is None  # each call makes its own store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_started_before_the_store_host_connects_once_it_listens(ipr_env, monkeypatch):
+    # Ranks forked together after an in-job restart: rank 1 asks for the wrapper's store before rank 0 hosts it.
+    port = _free_port()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    factory = build_wrapper(InProcessRestartConfig(enabled=True), lambda: None, lambda: None).store_factory
+    assert issubclass(factory, inprocess.store.TCPStore)
+    hosted = {}
+
+    def host_later() -> None:
+        time.sleep(0.5)
+        hosted["store"] = torch.distributed.TCPStore(
+            "127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=True
+        )
+        hosted["store"].set("from-host", "ready")
+
+    thread = threading.Thread(target=host_later)
+    thread.start()
+    client = factory(port=port, timeout=datetime.timedelta(seconds=30))
+    thread.join()
+    assert client.get("from-host") == b"ready"
+
+
+@pytest.mark.timeout(30)
+def test_waiting_for_a_host_that_never_listens_ends_at_the_timeout():
+    # The caller's own connect then fails with its own error, naming the address.
+    start = time.monotonic()
+    _wait_until_listening("127.0.0.1", _free_port(), timeout=0.3)
+    assert time.monotonic() - start >= 0.3

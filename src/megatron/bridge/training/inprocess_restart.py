@@ -31,6 +31,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -221,6 +222,19 @@ def build_wrapper(
             # 0.35 s of every restart on a 2-core machine).
             return state
 
+    class PromptTCPStore(inprocess.store.TCPStore):
+        """The wrapper's store; a rank that does not host it connects once the host listens.
+
+        torch's store client retries a refused connection after a growing delay: started with the host (ranks
+        forked together after an in-job restart) it waited 0.3-0.7 s for a host that was up after 0.05 s.
+        """
+
+        def __init__(self, **kwargs: Any) -> None:
+            if int(os.environ["RANK"]) != self.TCP_STORE_HOST_RANK:
+                host = kwargs.get("host_name") or os.environ["MASTER_ADDR"]
+                _wait_until_listening(host, int(kwargs["port"]), kwargs["timeout"].total_seconds())
+            super().__init__(**kwargs)
+
     health_checks = [inprocess.health_check.FaultCounter(max_rank_faults=cfg.max_rank_faults)]
     if torch.cuda.is_available():  # needs a GPU: on a CPU machine there is no device to synchronize with
         health_checks.append(inprocess.health_check.CudaHealthCheck(timeout=seconds(seconds=10)))
@@ -232,6 +246,7 @@ def build_wrapper(
         log_file = os.path.join(os.path.abspath(cfg.monitor_process_logdir), "monitor_process_{rank}.log")
     master_port = int(os.environ["MASTER_PORT"])
     return inprocess.Wrapper(
+        store_factory=PromptTCPStore,
         store_kwargs={
             "port": master_port + INPROCESS_STORE_PORT_OFFSET,
             "timeout": seconds(seconds=cfg.barrier_timeout),
@@ -266,6 +281,22 @@ def build_wrapper(
         completion_timeout=seconds(seconds=cfg.completion_timeout),
         monitor_process_logfile=log_file,
     )
+
+
+def _wait_until_listening(host: str, port: int, timeout: float, poll: float = 0.01) -> None:
+    """Return once ``host:port`` accepts a connection, or after ``timeout`` seconds.
+
+    After the timeout the caller's own connect fails with its own error.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(poll, 1.0)).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(poll)
 
 
 def _layers(inprocess: Any, cfg: InProcessRestartConfig, active: int) -> list[Any]:
