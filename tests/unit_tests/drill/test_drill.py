@@ -91,7 +91,8 @@ def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
     assert sorted(f.kind for f in faults) == sorted(set(schedule.KINDS) - {"hang"})
     assert [f.iteration for f in faults] == sorted(f.iteration for f in faults)
     schedule.check(faults, PLAN)
-    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,stall@47:1,slow@48:1:x20"
+    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,stall@47:1,slow@48:1:x6"
+    assert schedule.parse("slow@48:1")[0].factor == 6.0  # the drill's default straggler: six times slower
 
 
 @pytest.mark.parametrize(
