@@ -56,6 +56,10 @@ class Run:
         """The iterations of the checkpoints ``rank`` loaded, in order (one per start that resumed)."""
         return [e.iteration for e in self.events(EventKind.CHECKPOINT_LOADED) if e.rank == rank]
 
+    def loads(self, rank: int = 0) -> list[tuple[str, int]]:
+        """The (tier, iteration) of each checkpoint ``rank`` loaded, in order (``"local"`` or ``"global"``)."""
+        return [(e.tier, e.iteration) for e in self.events(EventKind.CHECKPOINT_LOADED) if e.rank == rank]
+
     def detected(self, mechanism: Mechanism) -> list[Event]:
         """The ``fault_detected`` events of ``mechanism``."""
         return [e for e in self.events(EventKind.FAULT_DETECTED) if e.mechanism == mechanism]
@@ -153,6 +157,14 @@ class RankRuns:
 
     exit_codes: list[int]
     outputs: list[str]
+    event_dir: Optional[Path] = None
+    """Where the ranks wrote their events (``<checkpoint.save>/events``)."""
+    started: float = 0.0
+    """Unix time of the start (events before it belong to earlier runs)."""
+
+    def events(self, kind: Optional[EventKind] = None) -> list[Event]:
+        """The ranks' events in time order (of ``kind`` only, if given), as :meth:`Run.events`."""
+        return Run(0, "", self.event_dir, self.started).events(kind)
 
 
 def without_launcher(
@@ -169,7 +181,7 @@ def without_launcher(
     marker = uuid.uuid4().hex
     cmd = [sys.executable, str(ENTRY), f"checkpoint.save={ckpt_dir}", f"checkpoint.load={ckpt_dir}", *BASE, *overrides]
     procs, files = [], []
-    start = time.monotonic()
+    start, started = time.monotonic(), time.time()
     for rank in range(nproc):
         rank_env = {
             **os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": marker, "MASTER_ADDR": "127.0.0.1",
@@ -204,7 +216,7 @@ def without_launcher(
     if -999 in codes:
         ranks = "\n".join(o[-3000:] for o in outputs)
         raise AssertionError(f"a rank did not finish within {timeout} s:\n{ranks}\n{stuck}")
-    return RankRuns(codes, outputs)
+    return RankRuns(codes, outputs, ckpt_dir / "events", started)
 
 
 def checkpoint_state(ckpt_dir: Path) -> dict[str, Any]:
@@ -223,14 +235,6 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(va, vb), f"{key} differs"
         else:
             assert va == vb, f"{key}: {va!r} != {vb!r}"
-
-
-def log_time(output: str, needle: str) -> float:
-    """Seconds since the epoch of the first log line containing ``needle`` (the logger's own timestamp)."""
-    import datetime
-
-    line = next(x for x in output.splitlines() if needle in x)
-    return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def tail(run: Run, lines: int = 60) -> str:

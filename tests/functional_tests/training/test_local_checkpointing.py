@@ -31,6 +31,8 @@ from tests.functional_tests.harness import (
     torchrun,
 )
 
+from megatron.bridge.training.event_stream import Mechanism
+
 # Global saves at 3, 6, 9 (harness BASE); local saves every 2 iterations, so the local tier holds iteration 8 when the
 # drill strikes at the start of iteration 9, newer than the global checkpoint at 6.
 LOCAL = ["checkpoint.non_persistent_ckpt_type=local", "checkpoint.non_persistent_save_interval=2"]
@@ -102,7 +104,7 @@ def two_node_reference(tmp_path_factory) -> tuple[Run, Path]:
     codes = [a.wait(timeout=300), b.wait(timeout=60)]
     output = a.output() + b.output()
     assert codes == [0, 0], output[-6000:]
-    return Run(0, output), root / "ckpt"
+    return Run(0, output, root / "ckpt" / "events"), root / "ckpt"
 
 
 def _wait_until_hosting(agent: Job, endpoint: str, timeout: float = 120) -> None:
@@ -130,7 +132,7 @@ def _wait_for_files(pattern: str, roots: list[Path], count: int, timeout: float 
 def _lose_a_node(tmp_path: Path, damage_replica: bool, extra: tuple = ()) -> tuple[Run, Path]:
     """Run on two nodes, lose node B after the local save at 8, optionally damage its replica, replace node B."""
     ckpt, node_a, node_b = tmp_path / "ckpt", tmp_path / "node_a", tmp_path / "node_b"
-    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    endpoint, run_id, started = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], time.time()
     a = _agent(endpoint, run_id, ckpt, node_a, tmp_path / "a.log", extra=extra)
     agents = [a]
     try:
@@ -155,7 +157,7 @@ def _lose_a_node(tmp_path: Path, damage_replica: bool, extra: tuple = ()) -> tup
             agent.kill()
     output = "".join(agent.output() for agent in agents)
     assert codes == [0, 0], output[-6000:]
-    return Run(0, output), ckpt
+    return Run(0, output, ckpt / "events", started), ckpt
 
 
 def _rank_of(output: str) -> int:
@@ -185,9 +187,9 @@ def test_lost_node_is_recovered_from_its_replica_bit_identically(two_node_refere
     run, ckpt = _lose_a_node(tmp_path, damage_replica=False, extra=("checkpoint.async_save=true",) * (saves == "async"))
     if saves == "async":
         assert "Scheduling async local checkpoint at iteration 8" in run.output, tail(run)
-    assert "loaded verified local checkpoint at iteration 8" in run.output
-    assert "(1 of 2 ranks' shards fetched from replicas)" in run.output
-    assert "failed verification" not in run.output
+    assert run.loads(0)[-1] == run.loads(1)[-1] == ("local", 8), run.loads(0)
+    assert "(1 of 2 ranks' shards fetched from replicas)" in run.output  # the line an operator reads
+    assert not run.detected(Mechanism.LOCAL_CHECKPOINT_HASH)
     resumed = {i: loss for i, loss in run.losses().items() if i > 8}
     assert resumed == {i: reference.losses()[i] for i in range(9, 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
@@ -196,11 +198,10 @@ def test_lost_node_is_recovered_from_its_replica_bit_identically(two_node_refere
 def test_damaged_replica_is_detected_and_the_global_checkpoint_is_loaded(two_node_reference, tmp_path):
     reference, reference_ckpt = two_node_reference
     run, ckpt = _lose_a_node(tmp_path, damage_replica=True)
-    failed = [line for line in run.output.splitlines() if "local checkpoint at iteration 8 failed verification" in line]
-    assert failed, tail(run)
-    assert "_local.pt" in failed[0] and "content differs" in failed[0], failed[0]
-    assert "loaded verified local checkpoint" not in run.output
-    assert "successfully loaded verified checkpoint" in run.output and "at iteration 6" in run.output
+    failed = run.detected(Mechanism.LOCAL_CHECKPOINT_HASH)
+    assert failed and failed[0].iteration == 8, tail(run)
+    assert "_local.pt" in failed[0].detail and "content differs" in failed[0].detail, failed[0]
+    assert run.loads(0) == run.loads(1) == [("global", 6)]  # node B's replacement: its first start
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
 
 
@@ -225,8 +226,8 @@ def test_async_local_saves_resume_and_without_local_files_the_global_tier_is_use
     shutil.rmtree(local_dir)  # every local shard gone: the job resumes from the global tier
     from_global = torchrun(ckpt, *LOCAL, *tier)
     assert from_global.exit_code == 0, tail(from_global)
-    assert "no complete local checkpoint" in from_global.output
     resumed = from_global.losses()  # from 3 or 6: whether the async commit of 6 finished before the stall
+    assert from_global.loads() == [("global", min(resumed) - 1)]
     assert min(resumed) in (4, 7) and resumed == {i: reference.losses()[i] for i in range(min(resumed), 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
 
@@ -236,7 +237,7 @@ def test_async_local_saves_resume_and_without_local_files_the_global_tier_is_use
     shutil.copytree(tmp_path / "local_backup", local_dir)
     from_local = torchrun(ckpt, *LOCAL, *tier)
     assert from_local.exit_code == 0, tail(from_local)
-    assert "loaded verified local checkpoint at iteration 8" in from_local.output
+    assert from_local.loads() == [("local", 8)]
     assert from_local.losses() == {i: reference.losses()[i] for i in range(9, 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
 
@@ -250,12 +251,13 @@ def test_nan_right_after_a_local_load_discards_it_and_the_restart_loads_the_glob
     assert first.exit_code != 0 and "saved with NaN" in first.output, tail(first)
     second = torchrun(ckpt, *tier)
     assert second.exit_code == 23, tail(second)
-    assert "loaded verified local checkpoint at iteration 8" in second.output
-    assert "1 step(s) after loading the local checkpoint of iteration 8" in second.output
+    assert second.loads() == [("local", 8)]
+    assert {e.iteration for e in second.detected(Mechanism.NAN_GUARD)} == {9}, tail(second)
+    assert "1 step(s) after loading the local checkpoint of iteration 8" in second.output  # why the exit is 23
     assert not list(local_dir.rglob("iter_0000008_*_local.pt"))
     third = torchrun(ckpt, *tier)
     assert third.exit_code == 0, tail(third)
-    assert "no complete local checkpoint" in third.output
+    assert third.loads() == [("global", 6)]
     assert third.losses() == {i: reference.losses()[i] for i in range(7, 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
 

@@ -5,8 +5,9 @@ rendezvous store (``mbridge_liveness/<attempt>/rank<N>``) and joins a one-elemen
 created with ``timeout=health.liveness_ping_timeout`` (gloo on NCCL runs too: a CPU tensor, no device sync). A peer
 that died closes its connections and the all-reduce fails at once; a peer that never arrives makes it time out. The
 first rank to notice waits, at most until the timeout, for the others to record this ping, then names every rank
-whose record is older, with its last stack when hang attribution wrote one; the other survivors wait for that verdict
-and every survivor exits :attr:`ExitCode.PEER_UNRESPONSIVE` (24) with it.
+whose record is older, with its last stack when hang attribution wrote one (and writes a ``fault_detected`` event,
+mechanism ``liveness_ping``, for each); the other survivors wait for that verdict and every survivor exits
+:attr:`ExitCode.PEER_UNRESPONSIVE` (24) with it.
 
 Cost per ping: one store write and one 4-byte gloo all-reduce per rank. A rank that hangs inside a step's own
 collectives holds its peers in that collective before they reach the ping: ft section timeouts and hang attribution
@@ -22,8 +23,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import HealthConfig
+from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils import upstream
 
@@ -96,7 +99,13 @@ class LivenessPing:
                 remaining = start + self.timeout - time.monotonic() + VERDICT_GRACE_S
                 self._store.wait([verdict], datetime.timedelta(seconds=max(remaining, VERDICT_GRACE_S)))
                 return self._store.get(verdict).decode()
-            message = self._describe(iteration, waited, first_line, self._missing(iteration, start + self.timeout))
+            missing = self._missing(iteration, start + self.timeout)
+            message = self._describe(iteration, waited, first_line, missing)
+            for lost in missing or [None]:  # the searching rank speaks for every survivor: one event per lost rank
+                event_stream.emit(
+                    EventKind.FAULT_DETECTED, mechanism=Mechanism.LIVENESS_PING, rank=lost, iteration=iteration,
+                    detail=message,
+                )  # fmt: skip
             self._store.set(verdict, message)
             return message
         except Exception as store_err:  # noqa: BLE001 - the store's host may be the rank that died
