@@ -64,6 +64,19 @@ class ExitCode(enum.IntEnum):
     """A device health check failed before training started (a CUDA context that does not synchronize, a GPU that
     NVML says needs a reset or reboot, a degraded NVLink). Action: restart on other nodes (exclude this one)."""
 
+    STORAGE_FULL = 26
+    """A checkpoint directory has too little free space for the next save (the preflight, from the last save's size
+    with a margin) or filled up during one (``ENOSPC``/``EDQUOT``). The partial save was removed; the newest committed
+    checkpoint stays loadable. Action: stop; free space or raise the quota, then requeue (it resumes)."""
+
+    STORAGE_UNAVAILABLE = 27
+    """A checkpoint directory is read-only, not writable, gone, or fails with an I/O error. Nothing committed was
+    lost. Action: stop; fix the mount or permissions, then requeue (it resumes)."""
+
+    LAUNCH_FAILED = 28
+    """The launcher could not start the workers: the rendezvous port is in use or the rendezvous endpoint cannot be
+    reached. Nothing ran. Action: requeue (another port, or once the other job is gone)."""
+
 
 class TrainingExit(SystemExit):
     """Raised to end training with a specific :class:`ExitCode` after cleanup ran."""
