@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from megatron.bridge.utils.cpu_shims import training_on_cpu
+
 
 class MockGPTDataset(Dataset):
     """An endless map-style dataset of next-token-prediction samples."""
@@ -118,7 +120,7 @@ def positioned_iterator(
         # the C runtime's atexit lock). A spawned worker starts from a fresh interpreter.
         multiprocessing_context="spawn" if num_workers > 0 else None,
         persistent_workers=persistent_workers and num_workers > 0,
-        pin_memory=pin_memory and torch.cuda.is_available(),
+        pin_memory=pin_memory and not training_on_cpu(),  # pinning needs CUDA, untouched with dist.device=cpu
         worker_init_fn=worker_init_fn,
         # A private generator: creating the iterator must not draw from the global RNG, or a resumed run (which
         # creates it after restoring the RNG) would diverge from one that never stopped.

@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from megatron.bridge.utils.cpu_shims import before_megatron_core_import
+from megatron.bridge.utils.cpu_shims import before_megatron_core_import, training_on_cpu
 
 before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fused ops are imported
 
@@ -54,7 +54,7 @@ def transformer_engine_usable() -> bool:
 
     Without an installed ``transformer_engine`` nothing is imported (the answer is known from the import system).
     """
-    if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+    if importlib.util.find_spec("transformer_engine") is None or training_on_cpu():
         return False
     try:
         import megatron.core.extensions.transformer_engine  # noqa: F401 - imports transformer_engine itself

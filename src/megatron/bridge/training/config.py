@@ -279,6 +279,11 @@ class CheckpointConfig:
     """Take model arguments from the checkpoint."""
     exit_on_missing_checkpoint: bool = False
     """Fail (exit code 3) when ``load`` holds no checkpoint at all, instead of starting from iteration 0."""
+    global_save_failure_policy: Literal["stop", "continue_local"] = "stop"
+    """What a global save does when its storage fails (too little free space before it, ``ENOSPC``/``EDQUOT`` or a
+    read-only, unwritable or failing file system during it): ``"stop"`` ends the run with exit code 26 (full) or 27
+    (unavailable); ``"continue_local"`` logs a warning each time, saves that state to the local tier instead and
+    trains on (needs ``non_persistent_ckpt_type="local"``). Local-tier failures always stop."""
     ckpt_format: Literal["torch_dist", "zarr", "fsdp_dtensor"] = "torch_dist"
     """On-disk format: megatron-core distributed checkpointing (``torch_dist``)."""
     fully_parallel_save: bool = True
@@ -359,8 +364,13 @@ class DistributedInitConfig:
     """torch.distributed setup."""
 
     distributed_backend: Literal["nccl", "gloo"] = "nccl"
-    """Backend of the process groups. On a machine without CUDA, ``"nccl"`` runs on gloo (a CPU shim that logs
-    it), so a GPU recipe runs unchanged on CPU."""
+    """Backend of the process groups. When the run trains on CPU (``device``), ``"nccl"`` runs on gloo (a CPU shim
+    that logs it), so a GPU recipe runs unchanged on CPU."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """The device every rank trains on: ``"auto"`` (this rank's GPU when the node has one, the CPU when it has
+    none; a GPU that is visible but unusable stops the run with exit 25, never a silent fall-back to CPU),
+    ``"cuda"`` (a usable GPU is required: exit 25 without one, to requeue on GPU nodes) or ``"cpu"`` (gloo and the
+    CPU shims even on a GPU node; bfloat16 is refused). Not a Megatron-Bridge field."""
     distributed_timeout_minutes: int = 10
     """Timeout of collectives (the watchdog timeout with NCCL)."""
     align_grad_reduce: bool = True

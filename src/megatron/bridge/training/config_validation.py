@@ -8,7 +8,9 @@ derived from others (``train.global_batch_size``, ``train.train_iters`` from ``t
 scheduler's step counts, ``model.vocab_size`` from the tokenizer) and finalizes the model and dataset configs.
 
 ``config.py`` calls these checks; they receive the config's objects and values and import nothing from
-``config.py`` at run time (its classes only for type checking), so the dependency goes one way.
+``config.py`` at run time (its classes only for type checking), so the dependency goes one way. Besides the config
+they read only the environment variables listed in ``env_inputs.ENV_INPUTS``, and never ask CUDA anything: a
+check that depends on the device uses ``dist.device`` (with ``auto``, it runs at initialization instead).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     if cfg.inprocess_restart.enabled and 1 <= (cfg.inprocess_restart.active_world_size or 0) <= world_size:
         training_ranks = cfg.inprocess_restart.active_world_size
     _validate_tokenizer(cfg)
+    _validate_device(cfg)
     _validate_model(cfg.model, training_ranks)
     _validate_train(cfg, training_ranks)
     _validate_optimizer(cfg)
@@ -252,16 +255,34 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
             f"{m.params_dtype} (fp16={m.fp16}) is not supported",
             "use torch.float32, or torch.bfloat16 with model.bf16=True",
         )
-    if (m.params_dtype == torch.bfloat16 or m.bf16) and not torch.cuda.is_available():
-        _fail(
-            "model.params_dtype",
-            "bfloat16 needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA tensors)",
-            'use "float32" on a machine without a GPU',
-        )
     try:
         copy.copy(m).finalize()  # megatron-core's own checks of the TransformerConfig, on a copy
     except (ValueError, AssertionError, TypeError, ZeroDivisionError) as err:
         _fail("model", f"megatron-core rejects the model config: {err}", "fix the field it names")
+
+
+def check_precision_on_device(m: GPTModelProvider, device: torch.device | str, requested: str) -> None:
+    """bfloat16 needs CUDA: refuse it when the run trains on the CPU (``device``, from ``dist.device=requested``).
+
+    ``validate()`` calls it when ``dist.device`` names the device; with ``auto`` it runs at initialization, once the
+    device is resolved (``initialize.prepare_device``). Validation never probes CUDA itself.
+    """
+    if torch.device(device).type != "cpu" or not (m.params_dtype == torch.bfloat16 or m.bf16):
+        return
+    how = "dist.device=cpu" if requested == "cpu" else f"dist.device={requested} resolved to cpu (no GPU on this node)"
+    _fail(
+        "model.params_dtype" if m.params_dtype == torch.bfloat16 else "model.bf16",
+        f"bfloat16 needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA tensors), but {how} "
+        f"(model.bf16={m.bf16}, model.params_dtype={m.params_dtype})",
+        "to train on CPU set model.bf16=false and model.params_dtype=float32 (optimizer.bf16 and "
+        "optimizer.params_dtype likewise); for bfloat16 run on GPU nodes with dist.device=cuda or auto",
+    )
+
+
+def _validate_device(cfg: ConfigContainer) -> None:
+    """``dist.device`` against the precision, when it names the device (``auto`` is checked at initialization)."""
+    if cfg.dist.device in ("cpu", "cuda"):
+        check_precision_on_device(cfg.model, cfg.dist.device, cfg.dist.device)
 
 
 def _validate_train(cfg: ConfigContainer, world_size: int) -> None:

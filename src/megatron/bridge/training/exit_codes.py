@@ -62,7 +62,8 @@ class ExitCode(enum.IntEnum):
 
     DEVICE_UNHEALTHY = 25
     """A device health check failed before training started (a CUDA context that does not synchronize, a GPU that
-    NVML says needs a reset or reboot, a degraded NVLink). Action: restart on other nodes (exclude this one)."""
+    NVML says needs a reset or reboot, a degraded NVLink), or ``dist.device`` found no usable GPU (``cuda`` on a node
+    without one, a visible GPU that does not work). Action: restart on other nodes (exclude this one)."""
 
     STORAGE_FULL = 26
     """A checkpoint directory has too little free space for the next save (the preflight, from the last save's size

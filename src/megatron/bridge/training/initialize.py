@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, ConfigContainer
+from megatron.bridge.training.config_validation import check_precision_on_device
+from megatron.bridge.training.device_health import resolve_device
+from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
@@ -27,18 +30,55 @@ def setup_logging(level: int) -> None:
     logging.getLogger("megatron.bridge").setLevel(level)
 
 
-def select_device(local_rank: Optional[int] = None) -> torch.device:
-    """The device this rank trains on: its local CUDA device when CUDA is present, else its share of the CPU cores.
+def select_device(local_rank: Optional[int] = None, requested: str = "auto") -> torch.device:
+    """The device this rank trains on (``dist.device=requested``): its local GPU, checked usable, or the CPU.
 
-    ``local_rank`` (``dist.local_rank``) defaults to the launcher's ``LOCAL_RANK``.
+    ``local_rank`` (``dist.local_rank``) defaults to the launcher's ``LOCAL_RANK``. On CPU the rank gets its share
+    of the CPU cores. The resolution is :func:`device_health.resolve_device`: a visible GPU that does not work is
+    exit 25, never a silent fall-back to CPU. The resolved device is logged once per process.
+
+    Raises:
+        TrainingExit: ``DEVICE_UNHEALTHY`` (``dist.device=cuda`` without a GPU, or an unusable GPU).
     """
+    global _logged_device
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    bind_cpu_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return torch.device("cpu")
+    device = resolve_device(requested, local_rank)
+    if device.type == "cpu":
+        bind_cpu_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if _logged_device != (requested, device):
+        logger.info("device: %s (dist.device=%s)", device, requested)
+        _logged_device = (requested, device)
+    return device
+
+
+_logged_device: Optional[tuple[str, torch.device]] = None
+
+
+def prepare_device(cfg: ConfigContainer) -> tuple[torch.device, str]:
+    """Resolve ``dist.device`` for this rank and make the process ready for it; return it and the backend.
+
+    On CPU: bfloat16 is refused (with ``dist.device=auto`` only now that the device is known; ``validate()`` refuses
+    an explicit ``dist.device=cpu``), the CPU shims are applied (on a GPU node too) and ``nccl`` becomes gloo.
+
+    Raises:
+        TrainingExit: ``DEVICE_UNHEALTHY`` from :func:`select_device`; ``CONFIG_ERROR`` for bfloat16 on CPU.
+    """
+    device = select_device(cfg.dist.local_rank, cfg.dist.device)
+    if device.type != "cpu":
+        if cfg.dist.disable_jit_fuser:  # (always off on CPU)
+            from megatron.core.jit import disable_jit_fuser
+
+            disable_jit_fuser()
+        return device, cfg.dist.distributed_backend
+    try:
+        check_precision_on_device(cfg.model, device, cfg.dist.device)
+    except ValueError as err:
+        raise TrainingExit(ExitCode.CONFIG_ERROR, str(err)) from err
+    from megatron.bridge.utils.cpu_shims import apply_cpu_shims, process_group_backend
+
+    apply_cpu_shims(device)
+    return device, process_group_backend(cfg.dist.distributed_backend)
 
 
 def bind_cpu_cores(local_rank: int, local_world_size: int) -> list[int]:
@@ -61,28 +101,16 @@ def bind_cpu_cores(local_rank: int, local_world_size: int) -> list[int]:
 def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = None) -> torch.device:
     """Initialise torch.distributed and megatron-core's model-parallel groups; return this rank's device.
 
-    The backend is ``dist.distributed_backend``; without CUDA it is gloo whatever it says (a CPU shim). On a
-    machine without CUDA the CPU shims for upstream code are applied first.
+    The device is ``dist.device`` resolved for this rank (:func:`prepare_device`). The backend is
+    ``dist.distributed_backend``; on CPU it is gloo whatever it says (a CPU shim), and the CPU shims for upstream code
+    are applied first.
 
     Args:
         cfg: the run's configuration.
         store: rendezvous store for the default group (in-process restart gives each iteration its own);
             ``None`` uses the launcher's environment (``env://``).
     """
-    device = select_device(cfg.dist.local_rank)
-    if device.type == "cpu":
-        from megatron.bridge.utils.cpu_shims import apply_cpu_shims
-
-        apply_cpu_shims()
-    elif cfg.dist.disable_jit_fuser:  # (always off on CPU)
-        from megatron.core.jit import disable_jit_fuser
-
-        disable_jit_fuser()
-    backend = cfg.dist.distributed_backend
-    if device.type == "cpu":
-        from megatron.bridge.utils.cpu_shims import process_group_backend
-
-        backend = process_group_backend(backend)
+    device, backend = prepare_device(cfg)
     timeout = datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if not dist.is_initialized() and store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

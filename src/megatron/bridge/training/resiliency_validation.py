@@ -2,7 +2,8 @@
 
 Fault tolerance, straggler detection, the re-run state machine, in-process restart, health checks and fault
 injection: each failure is a ``ValueError`` naming the field and the fix (``utils.fields.fail``). Called by
-``config_validation.validate_config``; imports nothing from ``config.py`` at run time.
+``config_validation.validate_config``; imports nothing from ``config.py`` at run time. The environment variables
+read here are the launcher's and the job script's listed in ``env_inputs.ENV_INPUTS`` (a unit test checks it).
 """
 
 from __future__ import annotations
@@ -215,14 +216,15 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_por
             "collective watchdog would kill the process before in-process restart could recover it",
             f"raise it above {ipr.hard_timeout / 60:.1f} min or lower {p}.hard_timeout",
         )
-    missing = {k: v for k, v in INPROCESS_ENV.items() if os.environ.get(k) != v}
+    current = {k: os.environ.get(k) for k in INPROCESS_ENV}  # (each read is listed in env_inputs.ENV_INPUTS)
+    missing = {k: v for k, v in INPROCESS_ENV.items() if current[k] != v}
     if missing:
         _fail(
             f"{p}.enabled",
             "in-process restart needs the environment "
             + ", ".join(f"{k}={v}" for k, v in INPROCESS_ENV.items())
             + " (quiet c10d logs on abort, NCCL errors that do not kill the process, NVLink SHARP off); not set: "
-            + ", ".join(f"{k} (is {os.environ.get(k)!r})" for k in missing),
+            + ", ".join(f"{k} (is {current[k]!r})" for k in missing),
             "export " + " ".join(f"{k}={v}" for k, v in missing.items()) + " in the job script before launching",
         )
     if "MASTER_ADDR" not in os.environ or not os.environ.get("MASTER_PORT", "").isdigit():

@@ -6,6 +6,8 @@ import random
 import numpy as np
 import torch
 
+from megatron.bridge.utils.cpu_shims import training_on_cpu
+
 
 def get_rng_state() -> dict:
     """Return python, numpy, torch (CPU and CUDA) and megatron-core tracker states as tensors and plain types."""
@@ -25,7 +27,7 @@ def get_rng_state() -> dict:
         "torch": torch.get_rng_state(),
         "tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
     }
-    if torch.cuda.is_available():
+    if not training_on_cpu():  # on a GPU node with dist.device=cpu, CUDA stays untouched
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -41,7 +43,7 @@ def set_rng_state(state: dict) -> None:
         (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
     )
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and not training_on_cpu():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
@@ -51,7 +53,7 @@ def snapshot_rng_state() -> tuple:
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    cuda = None if training_on_cpu() else torch.cuda.get_rng_state()
     return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda, dict(tracker)
 
 

@@ -3,14 +3,15 @@
 megatron-core assumes a GPU in a handful of places that the training loop reaches even when the
 model lives on CPU (``use_cpu_initialization=True``) and the process group uses gloo. This module
 patches exactly those places so that a tiny GPT can be trained, checkpointed with
-``dist_checkpointing`` and resumed bit-identically on a CPU-only machine (tests, CI, laptops). The same goes
+``dist_checkpointing`` and resumed bit-identically on a CPU-only machine (tests, CI, laptops), or on a GPU node
+with ``dist.device=cpu``: they are applied whenever the resolved device is the CPU. The same goes
 for nvidia-resiliency-ext's straggler ``Detector``: without CUDA it times sections only (no kernel scores), and for
 its local checkpoint manager (replica exchange without CUDA staging buffers).
 
 Most shims swap the module-level ``torch`` name of one upstream module for a :class:`_TorchView`:
 it forwards every attribute to the real ``torch`` except that its ``cuda`` attribute answers the
-few CUDA queries on CPU (``current_device`` -> cpu, ``synchronize`` -> no-op, RNG calls -> the CPU
-generator) and its tensor factories build tensors on CPU when asked for a CUDA device. Nothing
+few CUDA queries on CPU (``is_available`` -> False, ``current_device`` -> cpu, ``synchronize`` -> no-op, RNG
+calls -> the CPU generator) and its tensor factories build tensors on CPU when asked for a CUDA device. Nothing
 else in the process sees a changed ``torch``. The remaining shims replace single functions, and one turns
 megatron-core's jit fuser off before its fused ops are imported (they would bring in ``torch.compile``: ~2 s per
 process, for kernels a CPU run never calls).
@@ -21,7 +22,7 @@ and ``get_cuda_rng_tracker().get_states()`` / ``set_states()`` save and restore 
 
 Example:
     >>> from megatron.bridge.utils.cpu_shims import apply_cpu_shims
-    >>> apply_cpu_shims()  # no-op when torch.cuda.is_available()
+    >>> apply_cpu_shims(torch.device("cpu"))  # the resolved dist.device; no-op for a CUDA device
 
 Note:
     Call :func:`apply_cpu_shims` before building models, optimizers or checkpoints. Every upstream name
@@ -70,6 +71,11 @@ class _CudaView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
+
+    @staticmethod
+    def is_available() -> bool:
+        """False: the process trains on CPU, even on a GPU node with ``dist.device=cpu``."""
+        return False
 
     @staticmethod
     def current_device() -> torch.device:
@@ -433,13 +439,15 @@ _SHIMS: dict[str, Callable[[], None]] = {
 }
 
 
-def apply_cpu_shims() -> None:
+def apply_cpu_shims(device: torch.device | None = None) -> None:
     """Patch upstream code so that training, DDP, the optimizer, checkpointing and straggler timing run on CPU.
 
-    Idempotent; does nothing when CUDA is available.
+    Idempotent. ``device``: the device this process trains on (``dist.device`` resolved); the shims are applied when
+    it is the CPU, on a GPU node too. ``None``: when this machine has no CUDA.
     """
     global _APPLIED
-    if _APPLIED or torch.cuda.is_available():
+    on_cpu = not torch.cuda.is_available() if device is None else device.type == "cpu"
+    if _APPLIED or not on_cpu:
         return
     for name, shim in _SHIMS.items():
         shim()
@@ -448,20 +456,31 @@ def apply_cpu_shims() -> None:
     logger.info("cpu_shims: applied %d CPU shims", len(_SHIMS))
 
 
+def training_on_cpu() -> bool:
+    """Whether this process trains on CPU: the shims are applied (``dist.device`` resolved to cpu), or no CUDA.
+
+    The code that would otherwise ask ``torch.cuda.is_available()`` asks this: on a GPU node with
+    ``dist.device=cpu`` CUDA is available but must not be used (nor even initialized).
+    """
+    return _APPLIED or not torch.cuda.is_available()
+
+
 def before_megatron_core_import() -> None:
     """Turn megatron-core's jit fuser off before megatron-core is first imported, on CPU only.
 
     Modules that import megatron-core at their top (the model providers) call this first, so that a user script
-    importing them before ``pretrain`` applies the shims does not pay for ``torch.compile`` wrappers.
+    importing them before ``pretrain`` applies the shims does not pay for ``torch.compile`` wrappers. At import
+    ``dist.device`` is not resolved yet: on a GPU node with ``dist.device=cpu`` the fuser is turned off later, by
+    :func:`apply_cpu_shims` (what was imported by then keeps its wrappers: a start-up cost, never called on CPU).
     """
     if not _APPLIED and not torch.cuda.is_available():
         _shim_jit_fuser()
 
 
 def process_group_backend(requested: str) -> str:
-    """The backend to use on this machine: gloo without CUDA, whatever was asked (nccl needs GPUs)."""
-    if requested == "nccl" and not torch.cuda.is_available():
-        logger.info("cpu_shims: dist.distributed_backend=nccl needs CUDA; using gloo on this CPU-only machine")
+    """The backend to use: gloo when training on CPU (:func:`training_on_cpu`), else the one asked (nccl needs GPUs)."""
+    if requested == "nccl" and training_on_cpu():
+        logger.info("cpu_shims: dist.distributed_backend=nccl needs CUDA; using gloo (training on CPU)")
         return "gloo"
     return requested
 
@@ -482,7 +501,7 @@ def use_persistent_async_worker() -> bool:
     On CPU: no. A spawned worker starts without these shims, dies on its first CUDA call and leaves the trainer
     waiting forever in ``schedule_async_request``; the forked (temporal) worker inherits them.
     """
-    return torch.cuda.is_available()
+    return not training_on_cpu()
 
 
 def local_checkpoint_exchange_algo() -> str:
@@ -491,7 +510,7 @@ def local_checkpoint_exchange_algo() -> str:
     On CPU: ``gather_object`` (pickled tensors). megatron-core's ``broadcast`` exchange stages every tensor in a
     CUDA buffer.
     """
-    return "broadcast" if torch.cuda.is_available() else "gather_object"
+    return "gather_object" if training_on_cpu() else "broadcast"
 
 
 def shutdown_gloo_connections(keep_ports: set[int]) -> int:

@@ -25,7 +25,8 @@ MEGATRON_CORE_SECTIONS = {
         "megatron-core's `TransformerConfig` (as `GPTModelProvider`)",
         "megatron-core's own checks run at `validate()`, and layouts that cannot work: `num_layers` not divisible by "
         "the pipeline (and virtual pipeline) stages, heads or `num_query_groups` not divisible by "
-        "`tensor_model_parallel_size`. Refused: `fp16`, and bfloat16 (`bf16`, `params_dtype`) without CUDA.",
+        "`tensor_model_parallel_size`. Refused: `fp16`, and bfloat16 (`bf16`, `params_dtype`) on CPU "
+        "(`dist.device=cpu` at `validate()`; `auto` on a node without a GPU, at start: exit 2).",
     ),
     "optimizer": (
         "megatron-core's `OptimizerConfig`",
