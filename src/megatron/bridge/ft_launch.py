@@ -16,21 +16,31 @@ stream into ``DIR`` (``launcher_events.py``: worker exits, in-job restarts and t
 and ``exit`` with the launcher's exit code; give the ranks the same directory (``health.event_dir``, by default
 ``<checkpoint.save>/events``).
 
+Host and launch faults: a ``--rdzv-endpoint`` port on this host that another process listens on is found before
+anything starts (a bind probe, ``utils/rendezvous_port.py``), instead of a rendezvous that waits 600 s for the
+squatter to answer; the store's own bind or connection error, if it surfaces later, is mapped the same way: one
+paragraph naming the host, the port and the fix, exit code 28 (``LAUNCH_FAILED``; with ``--event-dir``, an ``exit``
+event with the paragraph as its ``detail``). With ``--event-dir``, a worker the kernel's out-of-memory killer killed
+is named as such (``launcher_events.py``, ``utils/oom.py``).
+
 Example:
     python -m megatron.bridge.ft_launch --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0
         --max-restarts=3 --event-dir=runs/x/events -m megatron.bridge.recipes.tiny_gpt train.train_iters=100
         health.event_dir=runs/x/events
 """
 
+import functools
 import random
 import socket
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from megatron.bridge import launcher_events, standby
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.event_stream import EventKind, EventWriter, Process, launcher_file
+from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.goodput import process_start_time
-from megatron.bridge.utils import upstream
+from megatron.bridge.utils import rendezvous_port, upstream
+from megatron.bridge.utils.rendezvous_port import StorePort
 
 _PICK_PORT = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
 _PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -84,14 +94,46 @@ def take_event_dir(argv: list[str]) -> tuple[Optional[str], list[str]]:
     return found, rest
 
 
+def _rendezvous_errors_exit_28(run: Any, store: Optional[StorePort], parsed: Any) -> Any:
+    """ft_launcher's ``run``, with a rendezvous error (a port in use, an endpoint not reached) ending in exit 28.
+
+    ft_launcher's ``main`` turns every exception of ``run`` into exit code 1; ``SystemExit`` passes through it.
+    """
+    endpoint = rendezvous_port.endpoint(parsed) if parsed is not None else None
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - only a rendezvous error is ours to explain; others go on
+            failed = rendezvous_port.launch_error(err, store, endpoint, rendezvous_port.FT_LAUNCHER)
+            if failed is None:
+                raise
+            print(failed, file=sys.stderr)
+            raise SystemExit(int(ExitCode.LAUNCH_FAILED)) from err
+
+    return wrapper
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run ``ft_launcher`` with ``argv`` (default: this process's arguments); return its exit code."""
     import torch  # noqa: F401 - before the standby forks: its workers need it; ft_launcher's logging they do not
 
     event_dir, argv = take_event_dir(sys.argv[1:] if argv is None else argv)
+    parsed = rendezvous_port.parse_ft_launcher_args([a for a in argv if a != standby.OPT_OUT])
+    store = rendezvous_port.hosted_store(parsed) if parsed is not None else None
+    taken = rendezvous_port.port_taken(store, rendezvous_port.FT_LAUNCHER)  # before the standby starts importing
+    if taken is not None:
+        print(taken, file=sys.stderr)
+        if event_dir:
+            writer = EventWriter(event_dir, launcher_file(), Process.LAUNCHER)
+            writer.emit(EventKind.EXIT, exit_code=int(ExitCode.LAUNCH_FAILED), detail=taken)
+        return int(ExitCode.LAUNCH_FAILED)
     argv = standby.install("ft_launcher", argv)
+    from nvidia_resiliency_ext.fault_tolerance import launcher as ft_launcher
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main
 
+    ft_launcher.run = _rendezvous_errors_exit_28(ft_launcher.run, store, parsed)
     upstream.patch(_PICK_PORT, socket_on_a_quiet_port)
     events = launcher_events.install(event_dir) if event_dir else None
     if events is not None:

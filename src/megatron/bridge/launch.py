@@ -6,8 +6,14 @@ so a Slurm script or scheduler policy can tell "preempted, requeue" (18) from "b
 A worker killed by a signal maps to 128 + signal number, as a shell reports it. When the launcher itself gets a
 signal (a scheduler stopping the job), torchrun passes it to the workers and waits for them (up to 30 s; with
 ``train.exit_signal_handler`` they save and exit 18), then this launcher exits 128 + signal number.
+
+Host and launch faults: a rendezvous port another process listens on is found before anything starts (a bind probe,
+``utils/rendezvous_port.py``), and so is the store's own bind or connection error if it surfaces later: one paragraph
+naming the host and port and the fix, exit code 28 (``LAUNCH_FAILED``). A worker killed by SIGKILL is looked up in
+the kernel's out-of-memory records (``utils/oom.py``): if the OOM killer killed it, a line says so, with the fix.
 """
 
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -15,17 +21,30 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from megatron.bridge import standby
+from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.utils import oom, rendezvous_port
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; return the exit code of the first failed worker, or 0."""
-    args = parse_args(standby.install("torch", sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    store = rendezvous_port.hosted_store(parse_args([a for a in argv if a != standby.OPT_OUT]))
+    taken = rendezvous_port.port_taken(store, rendezvous_port.TORCHRUN)  # before the standby starts importing
+    if taken is not None:
+        print(taken, file=sys.stderr)
+        return int(ExitCode.LAUNCH_FAILED)
+    args = parse_args(standby.install("torch", argv))
+    memory = oom.OomWatch()
     try:
         run(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         print(err.format_msg(), file=sys.stderr)
+        for failed_rank, each in sorted(err.failures.items()):
+            verdict = memory.verdict(each.pid) if each.exitcode == -signal.SIGKILL else None
+            if verdict is not None:
+                print(oom.message(failed_rank, verdict), file=sys.stderr)
         code = failure.exitcode
         return 128 - code if code < 0 else (code or 1)
     except SignalException as err:
@@ -33,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
             f"launcher stopped by {err.sigval.name}; its workers were given the signal and waited for", file=sys.stderr
         )
         return 128 + int(err.sigval)
+    except Exception as err:  # noqa: BLE001 - a rendezvous error becomes exit 28; any other is re-raised
+        failed = rendezvous_port.launch_error(err, store, rendezvous_port.endpoint(args), rendezvous_port.TORCHRUN)
+        if failed is None:
+            raise
+        print(failed, file=sys.stderr)
+        return int(ExitCode.LAUNCH_FAILED)
     return 0
 
 

@@ -12,7 +12,9 @@ event directory, next to the ranks' own files:
   ``workers_stopped`` once they are stopped (``seconds``: the teardown), ``restart_ended`` once the new ones run
   (after the rendezvous and the spawn);
 * ``fault_detected`` (``rank_monitor_section_timeout`` naming the section, or ``rank_monitor_heartbeat_timeout``)
-  when a rank monitor is about to kill its rank, once per rank process.
+  when a rank monitor is about to kill its rank, once per rank process;
+* ``fault_detected`` (``out_of_memory``) after the ``launcher_worker_exit`` of a worker dead by SIGKILL that the
+  kernel's out-of-memory killer killed (``utils/oom.py``), with a log line naming the rank, its pid and the fix.
 
 How: :func:`install` wraps the agent's worker monitor, restart, stop and start methods and the rank monitor's
 timeout handler (private upstream names, through ``utils/upstream.py``); the rank monitors are forked from the
@@ -22,6 +24,8 @@ dropped, never an error of the launcher's.
 """
 
 import functools
+import logging
+import signal
 import time
 from typing import Any, Optional
 
@@ -33,12 +37,13 @@ from megatron.bridge.training.event_stream import (
     RestartLayer,
     launcher_file,
 )
-from megatron.bridge.utils import upstream
+from megatron.bridge.utils import oom, upstream
 
 _AGENT = "nvidia_resiliency_ext.fault_tolerance.launcher:LocalElasticAgent"
 MONITOR, RESTART, STOP, START = (f"{_AGENT}.{m}" for m in ("_monitor_workers", "_restart_workers", "_stop_workers",
                                                             "_initialize_workers"))  # fmt: skip
 RANK_MONITOR_TIMEOUT = "nvidia_resiliency_ext.fault_tolerance.rank_monitor_server:RankMonitorServer._handle_timeout"
+logger = logging.getLogger(__name__)
 
 
 def _signal_of(exit_code: Optional[int]) -> Optional[int]:
@@ -61,6 +66,8 @@ class LauncherEvents:
         self._restart_begun: Optional[float] = None
         self._stop_began: Optional[float] = None
         self._timed_out: set[int] = set()
+        self.memory = oom.OomWatch()
+        """OOM kills since the workers started (``utils/oom.py``): a worker dead by SIGKILL is looked up there."""
 
     # ---------------------------------------------------------------- agent
 
@@ -86,6 +93,20 @@ class LauncherEvents:
         self.writer.emit(EventKind.WORKER_EXITED, **fields)
         if exit_code != 0:
             self.writer.emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.LAUNCHER_WORKER_EXIT, **fields)
+        if exit_code == -signal.SIGKILL and isinstance(pid, int):
+            try:
+                verdict = self.memory.verdict(pid)
+            except Exception as err:  # noqa: BLE001 - a hook only observes: never an error of the launcher's
+                logger.warning("could not tell whether worker pid %d was killed for memory: %r", pid, err)
+                verdict = None
+            if verdict is not None:
+                logger.error("%s", oom.message(rank, verdict))
+                fields["detail"] = verdict.evidence
+                self.writer.emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.OUT_OF_MEMORY, **fields)
+
+    def workers_starting(self) -> None:
+        """The agent starts (or restarts) its workers: a SIGKILL from here on is checked against OOM kills since."""
+        self.memory = oom.OomWatch()
 
     def restart_begins(self, agent: Any, worker_group: Any) -> None:
         """The agent restarts its workers (its count of restarts left is already decremented)."""
@@ -200,7 +221,7 @@ def install(directory: str) -> Optional[LauncherEvents]:
     upstream.patch(MONITOR, _after(originals[MONITOR], lambda agent, group, result: events.monitored(group, result)))
     upstream.patch(RESTART, _around(originals[RESTART], events.restart_begins, lambda: None))
     upstream.patch(STOP, _around(originals[STOP], lambda agent, group: events.stop_begins(), events.stopped))
-    upstream.patch(START, _around(originals[START], lambda agent, group: None, events.started))
+    upstream.patch(START, _around(originals[START], lambda agent, group: events.workers_starting(), events.started))
     timeout_handler = originals[RANK_MONITOR_TIMEOUT]
 
     @functools.wraps(timeout_handler)

@@ -127,7 +127,9 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
     faults for 0.3 s, and terminates a rank it cannot abort after 6 s (3 s to unwind after the soft abort); its
     monitor process looks every 0.5 s, its monitor thread every 0.1 s (a finishing rank waits for that thread: at
     0.5 s the exits before the launcher's restarts took 0.45 s longer). The rank monitor's step timeout is kept
-    above the 6 s (``fault_tolerance.py``).
+    above the 6 s (``fault_tolerance.py``). After 4 restarts in place, in-process restart gives up (exit 22) and the
+    launcher restarts the job: a fault that recurs in every iteration (a broken build, a config the run cannot
+    start with) ends the drill instead of restarting in place forever.
 
     Straggler detection stops the job on a rank scoring below 0.3 against the fastest one in two reports in a row.
     The default schedule's rank slowed six times scores about 0.14; healthy ranks scored 0.72-0.96 on an idle
@@ -149,7 +151,8 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
         "nvrx_straggler.stop_after_consecutive_reports=2",
         "train.exit_signal_handler=true",
         "health.liveness_ping_interval=10", "health.liveness_ping_timeout=30",
-        "inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=3", "inprocess_restart.hard_timeout=6",
+        "inprocess_restart.enabled=true", "inprocess_restart.max_iterations=4",
+        "inprocess_restart.soft_timeout=3", "inprocess_restart.hard_timeout=6",
         "inprocess_restart.last_call_wait=0.3", "inprocess_restart.monitor_thread_interval=0.1",
         "inprocess_restart.monitor_process_interval=0.5", "inprocess_restart.progress_watchdog_interval=1",
         "inprocess_restart.heartbeat_interval=1", "inprocess_restart.heartbeat_timeout=4",
@@ -185,7 +188,7 @@ def _train(
         f"fault_injection.ledger={ledger}", f"health.event_dir={event_dir}",
         *([f"fault_injection.faults={spec}"] if spec else []),
     ]  # fmt: skip
-    start = time.time()
+    start, began = time.time(), time.monotonic()  # the job's start (a timestamp), and its duration's start
     env = {
         **{k: v for k, v in os.environ.items() if k != fault_injection.ENV},  # the schedule is the only faults
         "PYTHONUNBUFFERED": "1",
@@ -196,7 +199,7 @@ def _train(
     }
     log_path = run / "train.log"
     code = runner.launch_and_watch(cmd, env, log_path, args.timeout, label)
-    return code, time.time() - start, events.read_run(event_dir)
+    return code, time.monotonic() - began, events.read_run(event_dir)
 
 
 def _final_summary(path: Path, train_iters: int) -> Optional[dict]:

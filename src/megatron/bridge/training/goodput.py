@@ -41,6 +41,16 @@ _IMPORTED_AT = time.time()
 _warned_missing = False
 
 
+def steady_wall_clock() -> Callable[[], float]:
+    """Unix time that a step of the system clock does not move: the wall clock now, then ``time.monotonic()``.
+
+    The tracker's intervals (start-up, a save) and its ``at`` stamps are measured in one process with it, so an NTP
+    step or a mis-set clock while training runs neither adds hours to a cause nor makes one negative.
+    """
+    wall, mono = time.time(), time.monotonic()
+    return lambda: wall + (time.monotonic() - mono)
+
+
 def process_start_time() -> float:
     """Unix time this process started: from ``/proc/self/stat``, else psutil, else when this module was imported."""
     try:
@@ -103,7 +113,7 @@ class GoodputTracker:
         save_dir: ``checkpoint.save`` (``None``: no progress record, no summary file).
         rank: this rank; rank 0 writes the files and logs.
         process_start: this process's start (default :func:`process_start_time`), the job start of last resort.
-        clock: the wall clock (tests pass a fake one).
+        clock: unix time (default :func:`steady_wall_clock`, made here; tests pass a fake one).
         env: the environment to read ``MBRIDGE_JOB_START_TIME`` from (default ``os.environ``).
     """
 
@@ -115,11 +125,11 @@ class GoodputTracker:
         save_dir: Optional[str],
         rank: int,
         process_start: Optional[float] = None,
-        clock: Callable[[], float] = time.time,
+        clock: Optional[Callable[[], float]] = None,
         env: Optional[dict[str, str]] = None,
     ) -> None:
         self.job_id, self.attempt, self.attempt_start = job_id, attempt, attempt_start
-        self._rank, self._clock = rank, clock
+        self._rank, self._clock = rank, clock if clock is not None else steady_wall_clock()
         self._dir = os.path.join(save_dir, DIRECTORY) if save_dir is not None else None
         self._process_start = process_start_time() if process_start is None else process_start
         self._env = os.environ if env is None else env

@@ -103,7 +103,7 @@ def _pretrain(
 ) -> ExitCode:
     """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down."""
     cfg = global_state.cfg
-    start_time = time.time()
+    start_time = time.monotonic()  # a deadline's start (exit_duration_in_mins): a wall-clock step must not move it
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.builders import build_train_valid_test_data_iterators, started
     from megatron.bridge.models.distributed import provide_distributed_model

@@ -88,8 +88,8 @@ class GlobalState:
         """This run's ``fault_tolerance.FaultTolerance`` (set by ``fault_tolerance.setup``)."""
         self.rank_monitor_client: Any = None
         """nvidia-resiliency-ext's ``RankMonitorClient`` while fault tolerance is on (set by ``fault_tolerance``)."""
-        self.start_time = time.time()
-        """Wall-clock time this state was made (``train.exit_duration_in_mins`` counts from here)."""
+        self.start_time = time.monotonic()
+        """``time.monotonic()`` when this state was made: a start to measure durations from, not a timestamp."""
         self.stop_request: Optional[tuple[Any, str]] = None
         """A feature's request that training stop after the current step: ``(exit code, reason)``."""
 
@@ -173,4 +173,4 @@ class GlobalState:
         self._nvrx_straggler_created = False
         self._async_calls_queue = None
         self.stop_request = None
-        self.start_time = time.time()
+        self.start_time = time.monotonic()

@@ -79,6 +79,7 @@ class TrainContext:
     """Counts re-run passes, the wait for async commits and the progress record (its step and save accounting is a
     callback)."""
     start_time: float
+    """``time.monotonic()`` when the attempt started (``train.exit_duration_in_mins`` counts from it)."""
     callbacks: CallbackManager
     """The loop's features, then the user's callbacks (``pretrain(..., callbacks=...)``)."""
     user_wants_losses: bool = False
@@ -168,7 +169,7 @@ def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
     if not train.exit_signal_handler and train.exit_duration_in_mins is None:
         return False, False
     signalled = ctx.signals.received  # agreed below, with the duration flag, in one all-reduce
-    elapsed_min = (time.time() - ctx.start_time) / 60.0
+    elapsed_min = (time.monotonic() - ctx.start_time) / 60.0
     timed_out = train.exit_duration_in_mins is not None and elapsed_min >= train.exit_duration_in_mins
     device = next(ctx.model[0].parameters()).device
     flags = torch.tensor([int(signalled), int(timed_out)], dtype=torch.int32, device=device)
