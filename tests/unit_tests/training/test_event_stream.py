@@ -192,7 +192,9 @@ def test_the_directory_comes_from_the_config_and_must_be_creatable(tmp_path):
     with pytest.raises(ValueError, match=r"health\.event_dir: cannot write events to .*not a directory"):
         cfg.validate(world_size=1)
     cfg = base_config()
-    cfg.checkpoint.save = str(tmp_path / "f" / "ckpt")
+    (tmp_path / "ckpt").mkdir()  # a writable save directory (validate() probes it) whose events/ is a file
+    (tmp_path / "ckpt" / "events").write_text("")
+    cfg.checkpoint.save = str(tmp_path / "ckpt")
     with pytest.raises(ValueError, match=r"health\.event_dir \(default: <checkpoint.save>/events\)"):
         cfg.validate(world_size=1)
     cfg.health.event_dir = ""  # off: nothing to check

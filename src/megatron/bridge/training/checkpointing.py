@@ -20,10 +20,11 @@ from typing import Any, Optional
 import torch
 
 from megatron.bridge.models.distributed import unwrap
-from megatron.bridge.training import event_stream
-from megatron.bridge.training.checkpoint import async_writer, layout, manifest, optimizer_state
-from megatron.bridge.training.checkpoint.local_tier import LocalTier
+from megatron.bridge.training import event_stream, fault_injection
+from megatron.bridge.training.checkpoint import async_writer, layout, manifest, optimizer_state, storage
+from megatron.bridge.training.checkpoint.local_tier import LocalTier, local_tier_of
 from megatron.bridge.training.checkpoint.resume import resolve_resume_path
+from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard, missing_checkpoint
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
@@ -142,32 +143,6 @@ _EXTRA_KEY = "rank_extra"
 """Key of the per-rank extra state inside the per-rank RNG blob."""
 
 
-def _local_tier(cfg: CheckpointConfig, on_saved: Callable[[int], None]) -> Optional[LocalTier]:
-    """The local tier the config asks for, or ``None``; ``on_saved(iteration)`` runs when a local save is done."""
-    if cfg.non_persistent_ckpt_type != "local":
-        return None
-    from megatron.core import parallel_state
-
-    replication = None
-    if cfg.replication:
-        jump = cfg.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # validate() checked both
-        replication = (jump, cfg.replication_factor)
-    assert cfg.non_persistent_local_ckpt_dir is not None, "validate() guarantees the local directory"
-    return LocalTier(
-        cfg.non_persistent_local_ckpt_dir,
-        cfg.save or cfg.load,
-        cfg.non_persistent_local_ckpt_algo,
-        replication,
-        cfg.async_save,
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
-        layout=(
-            f"world size {world_size()}, tensor parallel {parallel_state.get_tensor_model_parallel_world_size()}, "
-            f"pipeline parallel {parallel_state.get_pipeline_model_parallel_world_size()}"
-        ),
-        on_saved=on_saved,
-    )
-
-
 def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
     """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0."""
 
@@ -223,6 +198,7 @@ class CheckpointManager:
         """The ``common_extra`` entries of the checkpoint :meth:`load` loaded (an entry it lacks is absent)."""
         self._queue = None
         self._pending: Optional[int] = None  # iteration of the async save in flight
+        self._pending_tmp: Optional[str] = None  # and its temporary directory
         self.last_blocking_seconds: float = 0.0
         self.last_finalize_seconds: float = 0.0
         self.last_saved_iteration: Optional[int] = None
@@ -232,8 +208,11 @@ class CheckpointManager:
         # Temporary directory names: a run id agreed once plus a counter, so no save needs a collective for it.
         self._run_id = broadcast_from_rank0(uuid.uuid4().hex[:8] if rank() == 0 else None)
         self._saves = 0
+        self.storage = StorageGuard(cfg)
+        """Free space before saves, failed saves, a save directory replaced mid-run: ``checkpoint/storage_guard.py``."""
         if cfg.save is not None:
-            on_rank0(lambda: layout.recover(cfg.save), "recovering the save directory")  # what a crash left
+            with self.storage.reading("recovering the save directory"):
+                on_rank0(lambda: layout.recover(cfg.save), "recovering the save directory")  # what a crash left
             async_writer.install_results_queue()
         if cfg.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -241,12 +220,7 @@ class CheckpointManager:
             from megatron.bridge.utils.cpu_shims import use_persistent_async_worker
 
             self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
-        self.local: Optional[LocalTier] = _local_tier(
-            cfg,
-            on_saved=lambda iteration: self._on_saved(
-                cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL, iteration
-            ),
-        )
+        self.local: Optional[LocalTier] = local_tier_of(cfg, on_saved=self._local_saved)
         """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
         self.loaded_local_iteration: Optional[int] = None
         """The iteration of the local-tier checkpoint this run started from (``None``: global tier or none)."""
@@ -299,31 +273,40 @@ class CheckpointManager:
         self._saves += 1
         attempt = f"{self._run_id}-{self._saves}"
         tmp = layout.tmp_dir(root, iteration, attempt)
-        os.makedirs(tmp, exist_ok=True)  # every rank, before it writes: no barrier needed
         sharded_sd = _sharded_state_dict(
             model, optimizer, scheduler, state, rank_extra=rank_extra, common_extra=self._extras()
         )
-        request = dist_checkpointing.save(
-            sharded_sd,
-            tmp,
-            sharded_strategy=self._save_strategy(),
-            # The sharding layout cannot change within a run: check it (a collective) on the first save only.
-            validate_access_integrity=self._saves == 1,
-            async_sharded_save=self._queue is not None,
-            # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
-            preprocess_common_before_consistancy_check=lambda common: {
-                k: v for k, v in common.items() if k not in self._common_extra
-            },
-        )
+        # Every rank creates tmp and checks the free space, then all agree: nothing is written when it is short.
+        if not self.storage.before_save(GLOBAL, iteration, storage.tensor_bytes(sharded_sd), tmp):
+            return self._keep_in_local_tier(model, optimizer, scheduler, state)
+        fault_injection.fill_storage(fault_injection.GLOBAL_SAVE, rank(), iteration, root)
+        try:
+            request = dist_checkpointing.save(
+                sharded_sd,
+                tmp,
+                sharded_strategy=self._save_strategy(),
+                # The sharding layout cannot change within a run: check it (a collective) on the first save only.
+                validate_access_integrity=self._saves == 1,
+                async_sharded_save=self._queue is not None,
+                # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
+                preprocess_common_before_consistancy_check=lambda common: {
+                    k: v for k, v in common.items() if k not in self._common_extra
+                },
+            )
+            if self._queue is None:
+                self._commit(iteration, attempt)
+        except StorageGuard.SAVE_ERRORS as err:
+            if not self.storage.save_failed(err, GLOBAL, iteration, tmp):  # full or unavailable: stops, or goes on
+                raise
+            return self._keep_in_local_tier(model, optimizer, scheduler, state)
         if self._queue is None:
-            self._commit(iteration, attempt)
             what = "saved checkpoint"
         else:
             if request.async_fn is not None:  # None when this rank has nothing to write
                 request = request._replace(async_fn=async_writer.writer(request.async_fn, tmp, rank(), iteration))
             request.add_finalize_fn(lambda: self._commit(iteration, attempt))
             self._queue.schedule_async_request(request)
-            self._pending = iteration
+            self._pending, self._pending_tmp = iteration, tmp
             what = "Scheduling async checkpoint save"
         self.last_blocking_seconds = time.perf_counter() - start
         logger.info(
@@ -350,6 +333,7 @@ class CheckpointManager:
 
         on_rank0(publish, "the checkpoint commit")
         self.last_saved_iteration = iteration
+        self.storage.sizes[GLOBAL] = sum(entry.size for entry in entries.values())
         self.last_finalize_seconds = time.perf_counter() - start
         self._on_saved(layout.iter_dir(root, iteration), CheckpointType.GLOBAL, iteration)
 
@@ -357,19 +341,45 @@ class CheckpointManager:
         """Save the current state into the local tier (same content as a global checkpoint)."""
         assert self.local is not None, "validate() guarantees the local tier when a local save is due"
         sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
-        self.local.save(sharded_sd, state.step, common_extra=self._extras())
+        self.storage.before_save(LOCAL, state.step, storage.tensor_bytes(sharded_sd))
+        fault_injection.fill_storage(fault_injection.LOCAL_SAVE, rank(), state.step, self.storage.local_dir)
+        try:
+            self.local.save(sharded_sd, state.step, common_extra=self._extras())
+        except StorageGuard.SAVE_ERRORS as err:
+            if not self.storage.save_failed(err, LOCAL, state.step):
+                raise
+
+    def _keep_in_local_tier(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: Any) -> None:
+        """``global_save_failure_policy="continue_local"``: the global save failed; keep the state in the local tier."""
+        if self.local is not None and self.local.last_saved_iteration != state.step:
+            self.save_local(model, optimizer, scheduler, state)
+
+    def _local_saved(self, iteration: int) -> None:
+        self.storage.sizes[LOCAL] = self.local.node_bytes(iteration) if self.local is not None else None
+        self._on_saved(self.cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL, iteration)
 
     def _extras(self) -> dict[str, Any]:
         return {name: provide() for name, provide in self._common_extra.items()}
 
     def finalize(self, blocking: bool = False) -> None:
         """Commit a finished async save; with ``blocking``, wait for it. Call on every rank at the same step."""
-        if self.local is not None:
-            self.local.finalize(blocking=blocking)
+        local_iteration = self.local.pending_iteration if self.local is not None else None
+        try:
+            if self.local is not None:
+                self.local.finalize(blocking=blocking)
+        except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
+            if not self.storage.save_failed(err, LOCAL, local_iteration or 0):
+                raise
         if self._queue is None or self._pending is None:
             return
         iteration = self._pending
-        done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        try:
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
+            self._pending = None
+            if not self.storage.save_failed(err, GLOBAL, iteration, self._pending_tmp):
+                raise
+            return
         if done:
             self._pending = None
             logger.info(
@@ -404,8 +414,16 @@ class CheckpointManager:
 
         Raises:
             TrainingExit: ``NO_VALID_CHECKPOINT`` when checkpoints exist but none verifies, or none exists and
-                ``exit_on_missing_checkpoint`` is set.
+                ``exit_on_missing_checkpoint`` is set; ``STORAGE_UNAVAILABLE`` (unreadable) or ``STORAGE_FULL`` (the
+                start's free-space check): ``checkpoint/storage_guard.py``.
         """
+        with self.storage.reading("choosing and loading the checkpoint to resume from"):
+            iteration = self._load(model, optimizer, scheduler, state)
+        global_bytes = on_rank0(lambda: self.storage.committed_bytes(self.resumed), "sizing the checkpoints")
+        self.storage.check_start(state.step, global_bytes, self.local.node_bytes() if self.local is not None else None)
+        return iteration
+
+    def _load(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> Optional[int]:
         source = on_rank0(lambda: resolve_resume_path(self.cfg.load, self.cfg.save), "choosing the directory to load")
         root = source.directory
         self.resumed = {"tier": None, "iteration": None, "directory": None, "why": source.reason}
@@ -431,7 +449,8 @@ class CheckpointManager:
             return state.step
         if not candidates:
             if self.cfg.exit_on_missing_checkpoint:
-                raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, f"no checkpoint in {source.field}={root}")
+                exists = on_rank0(lambda: os.path.isdir(root), "looking for the checkpoint directory")
+                raise TrainingExit(ExitCode.NO_VALID_CHECKPOINT, missing_checkpoint(str(source.field), root, exists))
             logger.warning("no checkpoint found in %s=%s; training starts at iteration 0", source.field, root)
             return None
         for iteration in candidates:

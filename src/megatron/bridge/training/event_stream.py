@@ -121,6 +121,20 @@ class Mechanism(enum.StrEnum):
     """A global checkpoint failed verification against its manifest at load; an older one is tried."""
     LIVENESS_PING = "liveness_ping"
     """The liveness ping lost ``rank``."""
+    OUT_OF_MEMORY = "out_of_memory"
+    """The launcher: the worker of ``rank`` (``worker_pid``), dead by SIGKILL, was killed by the kernel's
+    out-of-memory killer (``utils/oom.py``: the kernel log names its pid, or the host's OOM-kill counter rose since
+    the workers started; ``detail`` says which). Written after that worker's ``launcher_worker_exit``."""
+    STORAGE_FULL = "storage_full"
+    """A checkpoint directory (``tier``) had too little free space for the save of ``iteration``, or filled up
+    during it (``ENOSPC``/``EDQUOT``); ``rank``: the rank that saw it. The run stops with exit code 26 (or goes on
+    under ``checkpoint.global_save_failure_policy="continue_local"``)."""
+    STORAGE_UNAVAILABLE = "storage_unavailable"
+    """A checkpoint directory (``tier``) could not be written or read (read-only, no permission, I/O error); exit
+    code 27 (or training goes on under ``continue_local``)."""
+    SAVE_DIR_CHANGED = "save_dir_changed"
+    """``checkpoint.save`` was removed or replaced while the run was going (seen at the save of ``iteration``); it is
+    created again and saving goes on."""
 
 
 _INPROCESS_INTERRUPTIONS = {

@@ -31,7 +31,17 @@ both apply (the environment's faults are added to the config's).
   - ``nan``: ``forward`` (its forward output becomes NaN, hence its loss and gradients), ``local_save`` (its
     local checkpoint of that iteration is saved with NaN weights: a poisoned local checkpoint);
   - ``corrupt``: ``local_save`` (once the rank's local checkpoint of that iteration is written, 64 bytes in the
-    middle of its file are flipped: storage that damages data at rest, which the content hashes catch at load).
+    middle of its file are flipped: storage that damages data at rest, which the content hashes catch at load);
+  - ``fill``: ``global_save``, ``local_save`` (the file system of ``checkpoint.save``, or of the local tier's
+    directory, is filled up to :data:`FILL_LEAVES` free bytes with the file :data:`FILL_FILE` in that directory, just
+    before the rank's files of that iteration's save are written and after the free-space check: a disk that
+    fills up during a save; delete the file to free the space);
+  - ``oom`` (the rank allocates and touches host memory, 64 MiB at a time, until the kernel's out-of-memory killer
+    kills it with SIGKILL: the kill comes from the kernel, never from the rank. It needs a memory limit, as Slurm's
+    ``--mem`` sets: it stops at the limit of its memory cgroup plus 256 MiB, or at 2 GiB where it finds none, and
+    then raises a ``RuntimeError`` saying that nothing killed it), ``clock_jump`` (this process's wall clock,
+    ``time.time()`` and ``time.time_ns()``, jumps by ``x<factor>`` hours, default 1, negative for backwards, from
+    then on; the monotonic clocks do not move: an NTP step or a mis-set clock, seen by this rank only): ``step``.
 
   ``step``: when the rank starts the iteration. ``forward``: in the rank's forward passes of the iteration.
   ``save.<point>``: at that point of the global checkpoint's commit protocol in the save of that iteration (points
@@ -67,9 +77,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron.bridge.training import event_stream
+from megatron.bridge.training import event_stream, fault_effects
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.fault_effects import FILL_FILE, FILL_LEAVES  # noqa: F401 - part of this API
 
 if TYPE_CHECKING:  # no import at run time: config.py's validate() parses fault specs with this module
     from megatron.bridge.training.config import FaultInjectionConfig
@@ -81,6 +92,8 @@ ENV = "MBRIDGE_FAULTS"
 GRAMMAR = "<kind>@<when>:<rank>[:<phase>][:x<factor>][:always] (when: an iteration >= 1 or <seconds>s)"
 
 STEP, FORWARD, LOCAL_SAVE, TIMER = "step", "forward", "local_save", "timer"
+GLOBAL_SAVE = "global_save"
+"""The phase before a rank writes its files of a global checkpoint (after the free-space check)."""
 SAVE = "save."
 """Prefix of the phases at a point of the checkpoint commit protocol: ``save.<point>``."""
 SAVE_POINTS = (
@@ -105,11 +118,14 @@ PHASES = {
     "spike": (FORWARD,),
     "nan": (FORWARD, LOCAL_SAVE),
     "corrupt": (LOCAL_SAVE,),
+    "fill": (GLOBAL_SAVE, LOCAL_SAVE),
+    "oom": (STEP,),
+    "clock_jump": (STEP,),
 }
 """Every kind and the phases it can strike in; the first is its default."""
 KINDS = tuple(PHASES)
-_FACTORS = {"slow": 2.0, "spike": 100.0}
-"""Kinds that take ``x<factor>``, and their default factor."""
+_FACTORS = {"slow": 2.0, "spike": 100.0, "clock_jump": 1.0}
+"""Kinds that take ``x<factor>``, and their default factor (``clock_jump``: hours)."""
 _SIGNAL_OF = {"hang": int(signal.SIGSTOP), "kill": int(signal.SIGKILL), "sigterm": int(signal.SIGTERM),
               "sigterm-tree": int(signal.SIGTERM)}  # fmt: skip
 """The signal each signalling kind sends (in its ``fault_injected`` event)."""
@@ -166,7 +182,9 @@ class Fault:
             raise ValueError(f"rank {self.rank} is not >= 0")
         if self.factor is not None and self.kind not in _FACTORS:
             raise ValueError(f"x<factor> is only for {' and '.join(_FACTORS)}")
-        if self.factor is not None and not 1 < self.factor < 1e3:
+        if self.kind == "clock_jump" and self.factor is not None and not 0 < abs(self.factor) < 1e4:
+            raise ValueError(f"x{self.factor:g}: a clock jump is a non-zero number of hours, under 10000 either way")
+        if self.kind != "clock_jump" and self.factor is not None and not 1 < self.factor < 1e3:
             raise ValueError(f"factor {self.factor:g} is not in (1, 1000)")
 
     @property
@@ -213,12 +231,12 @@ def _parse_item(item: str) -> Fault:
                 factor = float(option[1:])
             except ValueError:
                 raise ValueError(f"factor {option!r} is not x<number>") from None
-        elif (option in (STEP, FORWARD, LOCAL_SAVE, TIMER) or option.startswith(SAVE)) and not phase:
+        elif (option in (STEP, FORWARD, LOCAL_SAVE, GLOBAL_SAVE, TIMER) or option.startswith(SAVE)) and not phase:
             phase = option
         else:
             raise ValueError(
                 f"option {option!r} is unknown or given twice (options: a phase {STEP}, {FORWARD}, {SAVE}<point>, "
-                f"{LOCAL_SAVE}, {TIMER}; x<factor>; always)"
+                f"{GLOBAL_SAVE}, {LOCAL_SAVE}, {TIMER}; x<factor>; always)"
             )
     return Fault(kind, iteration, rank, phase, always, factor, seconds)
 
@@ -375,6 +393,15 @@ def poisons_local_save(rank: int, iteration: int) -> bool:
     return registry().take(LOCAL_SAVE, rank, iteration, kind="nan") is not None
 
 
+def fill_storage(phase: str, rank: int, iteration: int, directory: str) -> None:
+    """Fill the file system of ``directory`` up to :data:`FILL_LEAVES` free bytes if a ``fill`` is due now.
+
+    ``phase``: :data:`GLOBAL_SAVE` or :data:`LOCAL_SAVE`. The space goes to :data:`FILL_FILE` in ``directory``.
+    """
+    if registry().take(phase, rank, iteration, kind="fill") is not None:
+        fault_effects.fill_filesystem(directory)
+
+
 def corrupt_written_local_checkpoint(rank: int, iteration: int, path: Callable[[], str]) -> None:
     """Flip 64 bytes in the middle of the written local checkpoint file ``path()`` if ``corrupt`` is due now."""
     if registry().take(LOCAL_SAVE, rank, iteration, kind="corrupt") is None:
@@ -393,28 +420,11 @@ def corrupt_written_local_checkpoint(rank: int, iteration: int, path: Callable[[
     )
 
 
-def descendants(pid: int) -> list[int]:
-    """PIDs of every process below ``pid`` (Linux ``/proc``), children before grandchildren."""
-    found, queue = [], [pid]
-    while queue:
-        parent = queue.pop(0)
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:  # exited meanwhile
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            found += children
-            queue += children
-    return found
+def strike(kind: str, where: str, label: Optional[str] = None, factor: Optional[float] = None) -> None:
+    """Make this process fail the way ``kind`` says (``label``: how the log line names it; default ``kind``).
 
-
-def strike(kind: str, where: str, label: Optional[str] = None) -> None:
-    """Make this process fail the way ``kind`` says (``label``: how the log line names it; default ``kind``)."""
+    ``factor``: a ``clock_jump``'s hours (default 1).
+    """
     logger.error("fault injection: %s at %s (pid %d)", label or kind, where, os.getpid())
     for handler in logging.getLogger().handlers:
         handler.flush()
@@ -425,10 +435,14 @@ def strike(kind: str, where: str, label: Optional[str] = None) -> None:
     elif kind == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
     elif kind == "sigterm-tree":
-        for pid in [*descendants(os.getpid()), os.getpid()]:
+        for pid in [*fault_effects.descendants(os.getpid()), os.getpid()]:
             os.kill(pid, signal.SIGTERM)
     elif kind == "stall":
         stall_forever()
+    elif kind == "oom":
+        fault_effects.allocate_until_killed()
+    elif kind == "clock_jump":
+        fault_effects.jump_clock(_FACTORS["clock_jump"] if factor is None else factor)
     else:
         raise RuntimeError(f"fault injection: exception at {where}")
 
@@ -480,7 +494,7 @@ class StepFaults(Callback):
         fault = self._at.get(iteration)
         if fault is not None:
             self._registry.record(fault)
-            strike(fault.kind, f"iteration {iteration}")
+            strike(fault.kind, f"iteration {iteration}", factor=fault.factor)
 
     def _arm(self, fault: Fault) -> None:
         """Start the timer of a timed fault."""

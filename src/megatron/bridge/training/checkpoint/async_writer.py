@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron.bridge.training.checkpoint import manifest
+from megatron.bridge.training.checkpoint import manifest, storage
 from megatron.bridge.utils import fs, upstream
 
 logger = logging.getLogger(__name__)
@@ -115,8 +115,11 @@ def _write_and_hash(write_fn: Any, ckpt_dir: str, rank: int, iteration: int, *ar
             write_fn(*args, **kwargs)
         try:
             manifest.hash_rank_shards(ckpt_dir, rank)
-        except Exception:  # noqa: BLE001 - the commit hashes whatever has no partial manifest
-            logger.exception("background hashing failed; the commit will hash these shards")
+        except Exception as err:  # noqa: BLE001 - the commit hashes whatever has no partial manifest
+            if storage.classify(err) is not None:  # the write failed on the same storage: the finalize reports it
+                logger.error("rank %d: background hashing of iteration %d not done: %s", rank, iteration, err)
+            else:
+                logger.exception("background hashing failed; the commit will hash these shards")
     finally:
         done.set()
 

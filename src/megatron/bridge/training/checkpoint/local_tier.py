@@ -33,15 +33,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import event_stream, fault_injection
+from megatron.bridge.training.checkpoint import storage
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.utils import dist as dist_utils
 from megatron.bridge.utils import upstream
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +220,14 @@ def _manager_class() -> type:
             torch.serialization.set_crc32_options(False)
             try:
                 super()._save(state_dict, ckpt_id)
+            except Exception as err:
+                # A full or failing disk: drop the partial file and report the error (storage.take_writer_errors);
+                # the save then fails on every rank together, in the manager's collective check of the files.
+                if storage.note_writer_error(err, dist_utils.rank()) is None:
+                    raise
+                self._local_ckpt_path_from_id(ckpt_id, True).unlink(missing_ok=True)
+                logger.error("local checkpoint %s not written: %s", self._local_ckpt_path_from_id(ckpt_id), err)
+                return
             finally:
                 torch.serialization.set_crc32_options(previous)
             # In the writer (a forked process when async): the file is complete now, whenever the save finalizes.
@@ -375,13 +387,38 @@ class LocalTier:
         if self._on_saved is not None:
             self._on_saved(iteration)
 
+    @property
+    def pending_iteration(self) -> Optional[int]:
+        """The iteration of the async save in flight (``None``: none)."""
+        return self._pending
+
     def finalize(self, blocking: bool = False) -> None:
-        """Finish an async save that completed on every rank (wait for it with ``blocking``)."""
+        """Finish an async save that completed on every rank (wait for it with ``blocking``).
+
+        A save that failed raises here, on every rank (its files were removed); none is in flight afterwards.
+        """
         if self._queue is None or self._pending is None:
             return
-        if self._queue.maybe_finalize_async_calls(blocking=blocking):
+        try:
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException:
+            self._pending = None
+            raise
+        if done:
             logger.info("finalized async local checkpoint at iteration %d", self._pending)
             self._pending = None
+
+    def node_bytes(self, iteration: Optional[int] = None) -> Optional[int]:
+        """Bytes of this node's files (own shards and replicas) of the local checkpoint of ``iteration``.
+
+        ``None``: of the newest iteration this node holds files of. Returns ``None`` when there are none.
+        """
+        session = Path(self.manager.root_local_ckpt_dir) / self.manager.session_id
+        files = {p: int(p.name.split("_")[1]) for p in session.glob("*/iter_*_local.pt")}  # iter_<it>_<owner>_local.pt
+        if iteration is None and files:
+            iteration = max(files.values())
+        mine = [p for p, it in files.items() if it == iteration]
+        return storage.files_bytes(mine) if mine else None
 
     def close(self, abort: bool = False) -> None:
         """Wait for an async save (unless ``abort``) and stop the background writer."""
@@ -492,3 +529,30 @@ def _exchange_algo() -> str:
     from megatron.bridge.utils.cpu_shims import local_checkpoint_exchange_algo
 
     return local_checkpoint_exchange_algo()
+
+
+def local_tier_of(cfg: CheckpointConfig, on_saved: Callable[[int], None]) -> Optional[LocalTier]:
+    """The local tier the config asks for, or ``None``; ``on_saved(iteration)`` runs when a local save is done."""
+    if cfg.non_persistent_ckpt_type != "local":
+        return None
+    from megatron.core import parallel_state
+
+    replication = None
+    if cfg.replication:
+        jump = cfg.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # validate() checked both
+        replication = (jump, cfg.replication_factor)
+    assert cfg.non_persistent_local_ckpt_dir is not None, "validate() guarantees the local directory"
+    return LocalTier(
+        cfg.non_persistent_local_ckpt_dir,
+        cfg.save or cfg.load,
+        cfg.non_persistent_local_ckpt_algo,
+        replication,
+        cfg.async_save,
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        layout=(
+            f"world size {dist_utils.world_size()}, tensor parallel "
+            f"{parallel_state.get_tensor_model_parallel_world_size()}, "
+            f"pipeline parallel {parallel_state.get_pipeline_model_parallel_world_size()}"
+        ),
+        on_saved=on_saved,
+    )

@@ -1,6 +1,8 @@
 """Checks of the ``checkpoint`` section (global and local tiers), run by ``ConfigContainer.validate()`` at start.
 
-Failures are ``ValueError("<field>: <problem>. Fix: <fix>.")``, like every other config check.
+Failures are ``ValueError("<field>: <problem>. Fix: <fix>.")``, like every other config check. A save directory or
+local-tier directory that cannot be written (a read-only mount, no permission; probed by creating a file) is one
+too: nothing has started, and the job stops with exit code 2 like any rejected config (``checkpoint/storage.py``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from megatron.bridge.training.checkpoint.storage import write_problem
 from megatron.bridge.utils.fields import fail as _fail
 
 if TYPE_CHECKING:  # no import at run time: config.py runs these checks
@@ -74,6 +77,20 @@ def _validate_global(c: CheckpointConfig) -> None:
         _fail("checkpoint.save", f"{c.save!r} exists and is not a directory", "point it at a directory")
     if c.load is not None and os.path.exists(c.load) and not os.path.isdir(c.load):
         _fail("checkpoint.load", f"{c.load!r} exists and is not a directory", "point it at a checkpoint directory")
+    _check_writable("checkpoint.save", c.save)
+
+
+_UNWRITABLE_FIX = (
+    "remount it read-write or fix its owner or mode so that this job's user can create files in it, or point the "
+    "field at a writable directory (one that does not exist yet is created when its parent is writable)"
+)
+
+
+def _check_writable(field: str, path: str | None) -> None:
+    """``path`` (a directory to save into) can be written, or created: a file is really created and deleted."""
+    problem = write_problem(path) if path is not None else None
+    if problem is not None:
+        _fail(field, f"{path!r} {problem}", _UNWRITABLE_FIX)
 
 
 def _validate_local(c: CheckpointConfig, world_size: int) -> None:
@@ -92,6 +109,14 @@ def _validate_local(c: CheckpointConfig, world_size: int) -> None:
                 f"set checkpoint.replication=true or leave checkpoint.{name} at its default",
             )
     kind = c.non_persistent_ckpt_type
+    if c.global_save_failure_policy == "continue_local" and kind != "local":
+        _fail(
+            "checkpoint.global_save_failure_policy",
+            f'"continue_local" keeps training on the local tier, but checkpoint.non_persistent_ckpt_type is {kind!r} '
+            "(there is no local tier)",
+            'set checkpoint.non_persistent_ckpt_type="local" with checkpoint.non_persistent_local_ckpt_dir and '
+            'checkpoint.non_persistent_save_interval, or use checkpoint.global_save_failure_policy="stop"',
+        )
     if kind is None or kind == "None":  # Megatron-Bridge spells "no local tier" both ways
         return
     if kind != "local":
@@ -112,6 +137,7 @@ def _validate_local(c: CheckpointConfig, world_size: int) -> None:
             f"{c.non_persistent_local_ckpt_dir!r} is not a directory",
             "point it at a directory",
         )
+    _check_writable("checkpoint.non_persistent_local_ckpt_dir", c.non_persistent_local_ckpt_dir)
     if c.non_persistent_save_interval is None or c.non_persistent_save_interval < 1:
         _fail(
             "checkpoint.non_persistent_save_interval",
