@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.doc_log_lines import assert_doc_log_lines
 
 from megatron.bridge.drill import events, schedule
 from megatron.bridge.training.event_stream import EventKind
@@ -116,3 +117,12 @@ def test_the_plot_tensorboard_and_checkpoints_are_written(main_job):
     verify = subprocess.run(shlex.split(DOC_COMMANDS[1]), cwd=work, env=env, capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "iter_0000100" in verify.stdout + verify.stderr
+    assert_doc_log_lines(verify.stdout)
+
+
+@pytest.mark.timeout(600)
+def test_the_log_lines_the_docs_quote_are_in_its_output(main_job):
+    # What the drill printed (its own report, and the ranks' lines it echoes) and both runs' whole logs.
+    _, run_dir, out = main_job
+    logs = [(run_dir / "train.log").read_text(), (run_dir / "reference" / "train.log").read_text()]
+    assert_doc_log_lines("\n".join([out.stdout, out.stderr, *logs]))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from tests import processes
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
 
 ITERS = 16
@@ -264,6 +265,7 @@ def _assert_job_info(ckpt: Path, logs: str, attempts: int) -> None:
     assert [r["resumed"]["tier"] for r in records][1:] == ["global"] * (attempts - 1), records
     assert f"slurm: job_id={job_ids.pop()}" in logs
     assert f"restarts: in-job 0, in-process 0, requeue {attempts - 1}" in logs
+    assert_doc_log_lines(logs)  # the block the docs quote: the second start's
 
 
 @pytest.mark.timeout(600)

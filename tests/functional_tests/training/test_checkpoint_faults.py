@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
 
 from megatron.bridge.training.event_stream import EventKind
@@ -53,6 +54,8 @@ def test_corrupt_newest_checkpoint_falls_back(reference_tp1, interrupted_copy, d
     assert "iter_0000006 failed verification" in resumed.output
     assert "__1_0.distcp: " + ("sha256" if damage == "flip_byte" else "size") in resumed.output
     assert "fell back to checkpoint at iteration 3 (newest was 6)" in resumed.output
+    if damage == "flip_byte":  # the case the docs quote
+        assert_doc_log_lines(resumed.output)
     ref_losses = reference.losses()
     assert resumed.losses() == {i: ref_losses[i] for i in range(4, 13)}
     assert_same_state(

@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail
 
 from megatron.bridge.training.event_stream import Event, EventKind, Mechanism, RestartLayer
@@ -52,6 +53,8 @@ def test_fault_detected_restarted_resumed_identical(reference_tp1, tmp_path, env
     (struck,) = run.events(EventKind.FAULT_INJECTED)
     after = [e for e in run.events() if e.time >= struck.time]
     assert attributed(after), ([e for e in after if e.kind in (EventKind.FAULT_DETECTED, EventKind.EXIT)], tail(run))
+    if env["MBRIDGE_FAULTS"] == "hang@8:1":  # the rank monitor's report of a hung step, as the docs quote it
+        assert_doc_log_lines(run.output)
     detected = _first_detection(after)  # the launcher's view of an exit comes after a rank monitor's kill
     restarts = run.events(EventKind.RESTART_BEGUN)
     assert [e.layer for e in restarts] == [RestartLayer.IN_JOB] and restarts[0].time >= detected.time
@@ -93,6 +96,7 @@ def test_restart_budget_is_bounded(tmp_path):
     assert len(run.events(EventKind.FAULT_INJECTED)) == 3  # first attempt + 2 restarts, then stop
     assert len(run.events(EventKind.RESTART_BEGUN)) == 2
     assert "Some rank(s) exited with non-zero exit code" in run.output, tail(run, 80)
+    assert_doc_log_lines(run.output)
 
 
 def test_ft_under_torchrun_fails_fast_with_instructions(tmp_path):

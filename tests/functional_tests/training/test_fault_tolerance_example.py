@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import REPO, kill_processes_with_marker
 
 DOC_COMMANDS = (
@@ -49,6 +50,7 @@ def test_timeouts_come_from_the_launcher_then_are_learned(tmp_path):
     assert learned and proc.stdout.index(launcher) < learned.start(), out[-3000:]
     assert "training stopped at iteration 40: reached train.train_iters=40 (exit code 0)" in proc.stdout
     assert "Agent exits with exit code = 0." in proc.stdout
+    assert_doc_log_lines(proc.stdout)  # the lines the docs quote, in the script's filtered view
     # ... and keeps the whole log; the learned timeouts are saved for the next start.
     assert "will restart worker group" not in log
     assert (tmp_path / "run" / "checkpoints" / "ft_state.json").is_file()
@@ -62,6 +64,7 @@ def test_simulated_hang_is_detected_restarted_and_training_completes(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "[FaultTolerance] section timeouts (from the launcher): setup=180.0s, step=10.0s" in log
     assert "fault injection: hang at 4 s into training on rank 1" in proc.stdout
+    assert_doc_log_lines(proc.stdout)
     # Mostly rank 1 stops inside a step; when the timer strikes during a save, the `checkpointing` section times out.
     assert re.search(r"\[RankMonServer\S*\] Section '(step|checkpointing)' has been open for", proc.stdout), out[-3000:]
     assert "will restart worker group" in proc.stdout

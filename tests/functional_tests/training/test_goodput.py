@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail
 
 from megatron.bridge.training.goodput import CAUSES, GoodputTracker
@@ -60,6 +61,7 @@ def test_goodput_of_a_job_with_a_killed_rank(reference_tp1, tmp_path):
     assert float(ratio) == pytest.approx(summary["goodput"], abs=5e-4)
     assert (float(productive), float(wall)) == pytest.approx((summary["productive_s"], summary["wall_s"]), abs=0.05)
     assert logged == pytest.approx(lost, abs=0.05) and list(logged) == [*CAUSES, "other"]
+    assert_doc_log_lines(run.output)
 
     # The final checkpoint carries the ledger as of its save; a tracker resumed from it continues it unchanged.
     entry = torch.load(ckpt / "iter_0000012" / "common.pt", weights_only=True)["goodput"]

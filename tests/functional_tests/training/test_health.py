@@ -3,6 +3,7 @@
 import json
 import re
 
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import KEEP_SCHEDULE, ft_launcher, tail, torchrun, without_launcher
 
 from megatron.bridge.training.event_stream import EventKind, Mechanism
@@ -46,6 +47,7 @@ def test_stalled_peer_is_named_with_its_stack(tmp_path):
     line = next(x for x in run.output.splitlines() if "PEER_UNRESPONSIVE (exit code 24)" in x)
     assert "rank 1 (last ping at iteration 4; stack: rank 1 in stall_forever (fault_injection.py:" in line, line
     assert "rank 0" not in line.split("did not answer")[0], "the waiting survivor is not blamed"
+    assert_doc_log_lines(run.output)
     (stacks_file,) = (ckpt / "attribution").glob("attempt_*_0_0_0/rank1.stacks")
     stacks = stacks_file.read_text()
     assert "in stall_forever" in stacks and "--- step open for" in stacks

@@ -7,6 +7,7 @@ and an outer ft_launcher restarts the job.
 
 import re
 
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import Run, assert_same_state, checkpoint_state, ft_launcher, tail, torchrun
 
 from megatron.bridge.training.event_stream import EventKind, Mechanism, Process, RestartLayer
@@ -92,6 +93,7 @@ def test_max_iterations_used_up_stops_with_22(tmp_path):
     assert len(run.events(EventKind.FAULT_INJECTED)) == 2  # the first run and the one restart
     assert [i for i, _ in _pids(run)[0]] == [0, 1]
     assert "in-process restart gave up" in run.output and "inprocess_restart.max_iterations=1" in run.output
+    assert_doc_log_lines(run.output)
     assert "[NestedRestarter] name=[InProcess] state=aborted" in run.output
 
 

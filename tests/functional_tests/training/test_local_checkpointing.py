@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import (
     BASE,
     ENTRY,
@@ -189,6 +190,7 @@ def test_lost_node_is_recovered_from_its_replica_bit_identically(two_node_refere
         assert "Scheduling async local checkpoint at iteration 8" in run.output, tail(run)
     assert run.loads(0)[-1] == run.loads(1)[-1] == ("local", 8), run.loads(0)
     assert "(1 of 2 ranks' shards fetched from replicas)" in run.output  # the line an operator reads
+    assert_doc_log_lines(run.output)
     assert not run.detected(Mechanism.LOCAL_CHECKPOINT_HASH)
     resumed = {i: loss for i, loss in run.losses().items() if i > 8}
     assert resumed == {i: reference.losses()[i] for i in range(9, 13)}
@@ -271,6 +273,7 @@ def test_atomic_algorithm_saves_and_loads_and_an_older_local_checkpoint_yields_t
     tier.append("checkpoint.non_persistent_local_ckpt_algo=atomic")
     first = torchrun(ckpt, *tier, env={"MBRIDGE_FAULTS": f"kill@{STRIKE}:1"})
     assert first.exit_code != 0 and "saved local checkpoint at iteration 8" in first.output, tail(first)
+    assert_doc_log_lines(first.output)
     resumed = torchrun(ckpt, *tier)
     assert resumed.exit_code == 0, tail(resumed)
     assert "loaded verified local checkpoint at iteration 8" in resumed.output, tail(resumed)

@@ -8,6 +8,7 @@ import json
 import re
 
 import torch
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import (
     assert_same_state,
     checkpoint_state,
@@ -76,6 +77,7 @@ def test_persistent_nan_under_ft_launcher_stops_after_bounded_restarts(tmp_path)
     assert _stops(run) == [(4, 16), (4, 16), (4, 17)], tail(run, 120)
     assert "First rerun: unexpected result is reproducible within the tolerance" in run.output
     assert run.output.count("Got rescheduled on the same GPU") >= 2
+    assert_doc_log_lines(run.output)
     assert "asked ft_launcher not to restart the workers" in run.output
     assert "could not re-run it on other hardware" in run.output
     assert json.loads((ckpt / "rerun_attempts.json").read_text()) == {"step": 5, "restarts": 3, "fallbacks": 0}
@@ -141,6 +143,7 @@ def test_spiky_loss_is_flagged_only_when_checked(tmp_path):
     assert on.exit_code == 0, tail(on)
     flagged = r"Rank 1, node \S+, device \S+, iteration 60: Unexpected result .* \(message='Spiky loss'\)"
     assert re.search(flagged, on.output), tail(on)
+    assert_doc_log_lines(on.output)
 
     off = torchrun(tmp_path / "off", *common, env=env)
     assert off.exit_code == 0, tail(off)
@@ -169,6 +172,7 @@ def test_report_determinism_stats_reruns_every_step_and_reports(reference_tp1, t
     )
     assert [int(i) for i, _ in reports] == [2, 4, 6, 8, 10, 12], tail(run)
     assert all(re.fullmatch(r"[\d,]+ samples, all identical", text) for _, text in reports), reports  # CPU: bitwise
+    assert_doc_log_lines(run.output)
     assert run.losses() == reference.losses()
     assert_same_state(
         checkpoint_state(tmp_path / "ckpt" / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import REPO, Run, free_port, kill_processes_with_marker, tail
 from tests.functional_tests.training.test_nvrx_straggler import reports
 
@@ -60,6 +61,7 @@ def test_example_prints_both_score_kinds_for_every_rank():
     # whole machine slows down. test_nvrx_straggler.py checks both kinds for false positives over longer windows.)
     assert statistics.median(_worst_relative(found)) >= 0.7, tail(run)
     assert run.output.count(FINISHED) == 2, tail(run)
+    assert_doc_log_lines(run.output)
 
 
 def test_example_slow_rank_is_flagged():
@@ -75,3 +77,4 @@ def test_example_slow_rank_is_flagged():
     flagged = r"Straggler detected: Rank=1 Node=\S+ GPU relative performance Score=0\.\d+ < "
     assert re.search(flagged + r"nvrx_straggler\.gpu_relative_perf_threshold=0\.7", run.output), tail(run)
     assert run.output.count(FINISHED) == 2, tail(run)
+    assert_doc_log_lines(run.output)
