@@ -31,7 +31,8 @@ LONGEST_FIRST = (
     "test_main_job.py", "training/test_parallel_resume.py", "recipes/test_preemption_slurm.py",
     "training/test_local_checkpointing.py", "training/test_rerun_state_machine.py", "training/test_fault_tolerance.py",
     "training/test_straggler_example.py", "training/test_preemption.py", "training/test_resume.py",
-    "training/test_checkpoint_faults.py", "training/test_health.py", "training/test_inprocess_restart.py",
+    "training/test_checkpoint_faults.py", "training/test_storage_faults.py", "training/test_health.py",
+    "training/test_inprocess_restart.py",
     "training/test_fault_tolerance_example.py", "training/test_launchers.py", "test_wheel.py",
     "recipes/test_fault_tolerance_plugin.py",
 )  # fmt: skip
