@@ -41,6 +41,8 @@ class Run:
     """Where the launcher and the ranks wrote their events (``<checkpoint.save>/events``, the default)."""
     started: float = 0.0
     """Unix time of the launch: events before it belong to earlier runs on the same checkpoint directory."""
+    finished: float = 0.0
+    """Unix time the launcher ended."""
 
     def losses(self) -> dict[int, float]:
         """The loss rank 0 logged at each iteration."""
@@ -148,7 +150,7 @@ def launch(
         output = out.read()
     if returncode == -999:
         raise AssertionError(f"training did not finish within {timeout} s:\n{output[-4000:]}\n{stuck}")
-    return Run(returncode, output, ckpt_dir / "events", started)
+    return Run(returncode, output, ckpt_dir / "events", started, time.time())
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tests.functional_tests.env_report import record
 from tests.functional_tests.harness import tail, torchrun
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="drills for a node without a GPU")
@@ -19,6 +20,7 @@ def test_cuda_on_a_node_without_a_gpu_exits_25_and_trains_nothing(tmp_path):
     assert not run.losses(), "nothing may train"
     assert "initialized gloo" not in run.output, "no process group is created"
     assert not list(ckpt.glob("iter_*")) and not (ckpt / "job_info.jsonl").exists()
+    record("dist.device=cuda on a node without a GPU", run, lost="nothing (nothing started)")
 
 
 @pytest.mark.timeout(150)
@@ -45,3 +47,4 @@ def test_bf16_with_auto_stops_with_the_config_error_once_the_device_is_known(tmp
     assert "training stopped: CONFIG_ERROR (exit code 2): model.params_dtype: bfloat16 needs CUDA" in run.output
     assert "but dist.device=auto resolved to cpu (no GPU on this node)" in run.output, tail(run)
     assert not run.losses()
+    record("bf16 with dist.device=auto on a node without a GPU", run, lost="nothing (nothing trained)")

@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from tests.functional_tests.env_report import record
 from tests.functional_tests.harness import FT_FLAGS, Run, ft_launcher, launch, tail
 from tests.resources import free_port
 
@@ -61,6 +62,7 @@ def test_torchrun_on_a_held_master_port_exits_28_at_once(tmp_path):
     _assert_port_failure(run, port, seconds)
     assert "--master-port=<a free port>" in run.output
     assert not (tmp_path / "ckpt").exists()  # no rank ran
+    record("rendezvous port in use (torchrun --master-port)", run, seconds=seconds, lost="nothing (nothing started)")
 
 
 @pytest.mark.timeout(120)
@@ -80,6 +82,8 @@ def test_ft_launch_on_a_held_rdzv_endpoint_exits_28_at_once(tmp_path):
     assert (end.kind, end.exit_code, end.detail.startswith("launch failed: the rendezvous port")) == (
         EventKind.EXIT, 28, True)  # fmt: skip
     assert sorted(p.name for p in event_dir.iterdir()) == [f"events-launcher-{socket.gethostname()}.jsonl"]
+    record("rendezvous port in use (ft_launch --rdzv-endpoint)", run, seconds=seconds,
+           lost="nothing (nothing started)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ OOM
@@ -174,6 +178,8 @@ def test_a_rank_the_kernel_kills_for_memory_is_named_by_the_launcher(tmp_path, m
     seconds = detected.time - injected.time
     assert 0 < seconds < 60
     print(f"OOM: the kernel killed rank 1 (pid {pid}); the launcher named it {seconds:.2f} s after the fault struck")
+    record("a rank killed by the kernel's OOM killer", run, Mechanism.OUT_OF_MEMORY, seconds=seconds,
+           lost="the steps since the last checkpoint", resumed="the launcher's restart policy decides")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ clock
@@ -208,3 +214,5 @@ def test_a_wall_clock_jump_fires_no_timeout(tmp_path):
     assert 0 < summary["wall_s"] < 600 and 0 < summary["goodput"] <= 1, summary
     assert all(-1 < seconds < 600 for seconds in summary["lost_s"].values()), summary
     print(f"clock jump: finished, goodput {summary['goodput']:.3f} of {summary['wall_s']:.1f} s wall")
+    record("wall clock jumps +-3 h during the run (injected in-process)", run,
+           detected_by="nothing fired (as wanted): exit 0", lost="nothing")  # fmt: skip

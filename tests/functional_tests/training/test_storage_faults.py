@@ -8,7 +8,6 @@ the run is stopped. Each drill checks that the fault is detected (exit code and 
 and no temporary directory is left), and that the next start resumes.
 """
 
-import contextlib
 import json
 import os
 import re
@@ -22,7 +21,9 @@ from pathlib import Path
 
 import pytest
 from tests.doc_log_lines import assert_doc_log_lines
+from tests.functional_tests.env_report import record
 from tests.functional_tests.harness import KEEP_SCHEDULE, assert_same_state, checkpoint_state, launch, tail, torchrun
+from tests.mounts import tmpfs
 from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import layout, manifest, storage
@@ -30,21 +31,6 @@ from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.fault_injection import FILL_FILE
 
 LOCAL = ["checkpoint.non_persistent_ckpt_type=local", "checkpoint.non_persistent_save_interval=2"]
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str):
-    """A tmpfs mounted at ``path`` with ``options`` (e.g. ``size=4m``, ``ro``), unmounted afterwards in any case."""
-    path.mkdir(parents=True, exist_ok=True)
-    command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]
-    mounted = subprocess.run(command, capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _remount(path: Path, options: str) -> None:
@@ -96,6 +82,10 @@ def test_too_little_space_stops_before_writing_at_a_save_and_at_start(reference_
 
         _remount(fs, "size=64m")
         _resumes_exactly(reference_tp1, ckpt, torchrun(ckpt), 3)
+    record("too little free space for the next global save (preflight)", run, Mechanism.STORAGE_FULL,
+           resumed="from 3, bit-exact, once space was freed")  # fmt: skip
+    record("too little free space at start (preflight)", again, Mechanism.STORAGE_FULL,
+           resumed="from 3, bit-exact, once space was freed")  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -118,6 +108,7 @@ def test_disk_full_during_a_global_save(reference_tp1, tmp_path, mode):
 
         (ckpt / FILL_FILE).unlink()  # space freed
         _resumes_exactly(reference_tp1, ckpt, torchrun(ckpt, *extra), 3)
+    record(f"disk full during a {mode} global save", run, Mechanism.STORAGE_FULL, resumed="from 3, bit-exact")
 
 
 @pytest.mark.timeout(300)
@@ -142,6 +133,7 @@ def test_disk_full_during_an_async_local_save(reference_tp1, tmp_path):
         resumed = torchrun(ckpt, *tier)
         assert resumed.loads() == [("global", 3)]  # newer than the local tier's 2
         _resumes_exactly(reference_tp1, ckpt, resumed, 3)
+    record("disk full during an async local save", run, Mechanism.STORAGE_FULL, resumed="from global 3, bit-exact")
 
 
 @pytest.mark.timeout(300)
@@ -165,6 +157,8 @@ def test_continue_local_trains_on_when_global_saves_fail(tmp_path):
         resumed = torchrun(ckpt, *tier)  # the state the failed global save could not keep is in the local tier
         assert resumed.exit_code == 0, tail(resumed)
         assert resumed.loads() == [("local", 12)]
+    record("disk full, global_save_failure_policy=continue_local", run, Mechanism.STORAGE_FULL,
+           lost="nothing (iterations 6-12 kept in the local tier)", resumed="from local 12")  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -175,6 +169,7 @@ def test_read_only_save_dir_is_refused_at_validation(tmp_path):
         expected = f"checkpoint.save: '{ro / 'ckpt'}' cannot be created: creating a file in its parent {ro} failed"
         assert expected in run.output and "Read-only file system" in run.output, tail(run)
         assert "Fix: remount it read-write" in run.output
+    record("read-only save directory", run, lost="nothing (refused before start)")
 
 
 def _wait_until(condition, what: str, timeout: float = 120.0):
@@ -227,6 +222,8 @@ def test_save_dir_deleted_mid_run_is_recreated_and_a_restart_resumes_from_it(ref
     resumed = torchrun(ckpt, "train.train_iters=13", KEEP_SCHEDULE)
     assert resumed.exit_code == 0, tail(resumed)
     assert resumed.loaded() == [12] and sorted(resumed.losses()) == [13]
+    record("save directory deleted mid-run", run, Mechanism.SAVE_DIR_CHANGED,
+           lost="the deleted checkpoints (3); later saves kept", resumed="from 12")  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -236,6 +233,7 @@ def test_missing_or_unreadable_checkpoint_dir_on_resume(reference_tp1, tmp_path)
     assert run.exit_code == 3, tail(run)
     assert f"checkpoint.load={missing} does not exist, and checkpoint.exit_on_missing_checkpoint" in run.output
     assert run.losses() == {}
+    record("missing checkpoint.load with exit_on_missing_checkpoint", run, lost="nothing (nothing started)")
 
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is needed to make root obey a directory's mode bits")
@@ -256,3 +254,5 @@ def test_missing_or_unreadable_checkpoint_dir_on_resume(reference_tp1, tmp_path)
     resumed = torchrun(ckpt, f"checkpoint.load={locked}")
     assert resumed.exit_code == 0, tail(resumed)
     assert resumed.loaded() == [12]
+    record("unreadable checkpoint directory on resume", run, Mechanism.STORAGE_UNAVAILABLE,
+           resumed="from 12 once readable")  # fmt: skip

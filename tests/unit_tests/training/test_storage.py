@@ -4,17 +4,16 @@ needs, the write probe, the directory identity, the forked writer's notes, and t
 File systems are real where it matters: a size-limited or read-only tmpfs (skipped where mounting is not allowed).
 """
 
-import contextlib
 import errno
 import logging
 import os
 import re
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from tests.mounts import tmpfs
 from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import event_stream, fault_injection
@@ -30,21 +29,6 @@ from megatron.bridge.utils.dist import RankZeroError
 
 REPO = Path(__file__).resolve().parents[3]
 FULL, UNAVAILABLE = ExitCode.STORAGE_FULL, ExitCode.STORAGE_UNAVAILABLE
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str):
-    """A real tmpfs at ``path`` (skipped where this process may not mount), unmounted afterwards."""
-    path.mkdir(parents=True, exist_ok=True)
-    command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]
-    mounted = subprocess.run(command, capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture
