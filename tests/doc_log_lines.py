@@ -271,6 +271,12 @@ CHECKS: dict[str, tuple[str, ...]] = {
         "best copy left: the directory is created again and the global checkpoint of iteration 6 is saved into it, "
         "and saving goes on there. Find out what removed it.",
     ),
+    f"{_TRAINING}/test_storage_faults.py::test_a_save_slower_than_its_section_timeout_is_a_slow_save_not_a_hung_step": (
+        "rank … (pid …): slow checkpoint save, not a hung step: the save has been running … s, past the checkpointing "
+        "section timeout of … s; the rank is stopped and restarted, and the run resumes from the newest committed "
+        "checkpoint. Fix: check the checkpoint storage's write bandwidth, or raise the checkpointing timeout "
+        "(--ft-rank-section-timeouts checkpointing:<s>, or ft.calc_ft_timeouts=true)",
+    ),
     f"{_SLURM}::test_time_limit_signal_saves_requeues_and_resumes": _JOB_INFO,
     f"{_SLURM}::test_higher_priority_job_preempts_and_training_resumes": _JOB_INFO,
 }

@@ -150,6 +150,14 @@ class LauncherEvents:
             return
         self._timed_out.add(info.pid)
         mechanism, section, elapsed, timeout = timed_out(server, time.monotonic())
+        if section == "checkpointing":  # a save, not a step: slow or stuck storage, said so before the restart
+            logger.error(
+                "rank %s (pid %d): slow checkpoint save, not a hung step: the save has been running %.1f s, past the "
+                "checkpointing section timeout of %.1f s; the rank is stopped and restarted, and the run resumes from "
+                "the newest committed checkpoint. Fix: check the checkpoint storage's write bandwidth, or raise the "
+                "checkpointing timeout (--ft-rank-section-timeouts checkpointing:<s>, or ft.calc_ft_timeouts=true)",
+                info.global_rank, info.pid, elapsed or 0.0, timeout or 0.0,
+            )  # fmt: skip
         self.rank_monitor_writer.emit(
             EventKind.FAULT_DETECTED,
             mechanism=mechanism,

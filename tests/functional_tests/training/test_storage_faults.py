@@ -8,6 +8,7 @@ the run is stopped. Each drill checks that the fault is detected (exit code and 
 and no temporary directory is left), and that the next start resumes.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import pytest
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.env_report import record
 from tests.functional_tests.harness import KEEP_SCHEDULE, assert_same_state, checkpoint_state, launch, tail, torchrun
-from tests.mounts import tmpfs
+from tests.mounts import slow_disk, tmpfs
 from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import layout, manifest, storage
@@ -256,3 +257,59 @@ def test_missing_or_unreadable_checkpoint_dir_on_resume(reference_tp1, tmp_path)
     assert resumed.loaded() == [12]
     record("unreadable checkpoint directory on resume", run, Mechanism.STORAGE_UNAVAILABLE,
            resumed="from 12 once readable")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ slow storage
+
+CHECKPOINTING_TIMEOUT_S = 3
+
+
+def _detections(events: Path) -> list[dict]:
+    found = []
+    for path in events.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if event.get("kind") == "fault_detected":
+                found.append(event)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_save_slower_than_its_section_timeout_is_a_slow_save_not_a_hung_step(reference_tp1, tmp_path):
+    events = tmp_path / "events"  # off the slow disk: the drill watches them
+    with slow_disk(tmp_path) as (mount, procs, lift):
+        ckpt = mount / "ckpt"
+        sections = f"setup:120,step:60,checkpointing:{CHECKPOINTING_TIMEOUT_S}"
+        launcher = [
+            "sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh",  # every process of the job in the throttled cgroup
+            sys.executable, "-m", "megatron.bridge.ft_launch", f"--event-dir={events}", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=1",
+            f"--ft-rank-section-timeouts={sections}", "--ft-rank-out-of-section-timeout=120",
+            "--ft-workload-check-interval=0.5",
+        ]  # fmt: skip
+        outcome = []
+        overrides = ("ft.enable_ft_package=true", f"health.event_dir={events}")
+        training = threading.Thread(target=lambda: outcome.append(launch(launcher, ckpt, *overrides, timeout=240)))
+        training.start()
+        try:
+            _wait_until(lambda: _detections(events), "detection of the slow save", timeout=180)
+        finally:
+            lift()  # the storage recovers: the restarted job saves at full speed
+            training.join()
+        [run] = outcome
+        run = dataclasses.replace(run, event_dir=events)
+        assert run.exit_code == 0, tail(run)
+        detected = run.detected(Mechanism.RANK_MONITOR_SECTION_TIMEOUT)
+        assert detected and {e.section for e in detected} == {"checkpointing"}, tail(run)  # never "step"
+        assert all(e.seconds > CHECKPOINTING_TIMEOUT_S for e in detected)
+        assert_doc_log_lines(run.output)  # the launcher's "slow checkpoint save, not a hung step" line
+        assert run.loads() == [], "the first save never committed: the restart starts over, nothing was half-loaded"
+        assert sorted(run.losses())[-1] == 12
+        assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_tp1[1] / "iter_0000012"))
+    record(
+        "storage slower than the checkpointing section timeout", run, Mechanism.RANK_MONITOR_SECTION_TIMEOUT,
+        lost="the steps since the last checkpoint (none committed yet)", resumed="from scratch, bit-exact",
+    )  # fmt: skip
