@@ -35,6 +35,7 @@ def record(
     path = os.environ.get(REPORT_ENV)
     if not path:
         return
+    nothing_fires = detected_by is not None and mechanism is None and seconds is None  # a fault nothing may notice
     events = run.events() if run.event_dir is not None and run.event_dir.is_dir() else []
     injected = [e.time for e in events if e.kind == EventKind.FAULT_INJECTED]
     seen = [e for e in events if e.kind == EventKind.FAULT_DETECTED and e.mechanism == mechanism] if mechanism else []
@@ -45,7 +46,7 @@ def record(
         "fault": fault,
         "detected_by": detected_by or (str(mechanism) if seen else f"exit code {run.exit_code}"),
         "from": "the fault" if injected else "the launch",
-        "seconds": round(seconds if seconds is not None else end - start, 2) if (seconds or (end and start)) else None,
+        "seconds": None if nothing_fires else round(seconds if seconds is not None else end - start, 2),
         "exit_code": run.exit_code,
         "lost": lost,
         "resumed": resumed,

@@ -83,10 +83,10 @@ def test_too_little_space_stops_before_writing_at_a_save_and_at_start(reference_
 
         _remount(fs, "size=64m")
         _resumes_exactly(reference_tp1, ckpt, torchrun(ckpt), 3)
-    record("too little free space for the next global save (preflight)", run, Mechanism.STORAGE_FULL,
-           resumed="from 3, bit-exact, once space was freed")  # fmt: skip
-    record("too little free space at start (preflight)", again, Mechanism.STORAGE_FULL,
-           resumed="from 3, bit-exact, once space was freed")  # fmt: skip
+        record("too little free space for the next global save (preflight)", run, Mechanism.STORAGE_FULL,
+               resumed="from 3, bit-exact, once space was freed")  # fmt: skip
+        record("too little free space at start (preflight)", again, Mechanism.STORAGE_FULL,
+               resumed="from 3, bit-exact, once space was freed")  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -109,7 +109,10 @@ def test_disk_full_during_a_global_save(reference_tp1, tmp_path, mode):
 
         (ckpt / FILL_FILE).unlink()  # space freed
         _resumes_exactly(reference_tp1, ckpt, torchrun(ckpt, *extra), 3)
-    record(f"disk full during a {mode} global save", run, Mechanism.STORAGE_FULL, resumed="from 3, bit-exact")
+        article = "an" if mode == "async" else "a"
+        record(
+            f"disk full during {article} {mode} global save", run, Mechanism.STORAGE_FULL, resumed="from 3, bit-exact"
+        )
 
 
 @pytest.mark.timeout(300)
@@ -158,8 +161,8 @@ def test_continue_local_trains_on_when_global_saves_fail(tmp_path):
         resumed = torchrun(ckpt, *tier)  # the state the failed global save could not keep is in the local tier
         assert resumed.exit_code == 0, tail(resumed)
         assert resumed.loads() == [("local", 12)]
-    record("disk full, global_save_failure_policy=continue_local", run, Mechanism.STORAGE_FULL,
-           lost="nothing (iterations 6-12 kept in the local tier)", resumed="from local 12")  # fmt: skip
+        record("disk full, global_save_failure_policy=continue_local", run, Mechanism.STORAGE_FULL,
+               lost="nothing (iterations 6-12 kept in the local tier)", resumed="from local 12")  # fmt: skip
 
 
 @pytest.mark.timeout(300)
