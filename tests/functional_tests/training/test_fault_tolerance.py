@@ -59,8 +59,12 @@ def test_fault_detected_restarted_resumed_identical(reference_tp1, tmp_path, env
     restarts = run.events(EventKind.RESTART_BEGUN)
     assert [e.layer for e in restarts] == [RestartLayer.IN_JOB] and restarts[0].time >= detected.time
     loads = [e.iteration for e in run.events(EventKind.CHECKPOINT_LOADED) if e.rank == 0]
-    crash_in_save_of_6 = "save.during_write" in env["MBRIDGE_FAULTS"]  # iteration 6 never committed: resume from 3
-    assert loads == ([3] if crash_in_save_of_6 else [6]), loads
+    if "save.during_write" in env["MBRIDGE_FAULTS"]:
+        # The rank monitor wakes the hung rank (SIGCONT) just before it kills it: in that moment the rank may pass the
+        # commit's barrier and rank 0 commit 6 whole. Either way the restart loads a verified checkpoint.
+        assert loads in ([3], [6]), loads
+    else:
+        assert loads == [6], loads
     ref_losses = reference.losses()
     assert all(run.losses()[i] == ref_losses[i] for i in range(9, 13))
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
