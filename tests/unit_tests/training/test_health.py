@@ -87,6 +87,22 @@ def test_summary_of_earlier_attempts_is_written_once(tmp_path, caplog):
     assert hang_attribution.summarize_earlier_attempts(str(tmp_path / "missing"), "x") == []
 
 
+def test_a_rank_waiting_in_a_pipeline_receive_is_waiting_in_a_collective(tmp_path):
+    # The innermost Python frame of a blocked pipeline receive is megatron's own p2p code: ``req.wait()`` is C++.
+    main = "0x00007f0000000001"
+    stacks = tmp_path / "rank0.stacks"
+    stacks.write_text(
+        f"rank 0 pid 8 main thread {main}\n--- step open for 1.5 s\nThread {main} (most recent call first):\n"
+        '  File "/v/megatron/core/pipeline_parallel/p2p_communication.py", line 392 in _communicate\n'
+        '  File "/v/megatron/core/pipeline_parallel/p2p_communication.py", line 470 in recv_forward\n'
+        '  File "/v/megatron/core/pipeline_parallel/schedules.py", line 1900 in forward_backward_pipelining\n'
+    )
+    where = hang_attribution.summarize_stack_file(str(stacks))
+    assert where == "rank 0 in _communicate (p2p_communication.py:392) [step open for 1.5 s], waiting in a collective"
+    stacks.write_text(stacks.read_text().replace("pipeline_parallel/p2p_communication", "models/gpt/gpt_model"))
+    assert not hang_attribution.summarize_stack_file(str(stacks)).endswith("waiting in a collective")
+
+
 def test_attempt_name_counts_every_kind_of_restart():
     env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
     assert hang_attribution.attempt_name(env, inprocess_iteration=3) == "attempt_77_2_1_3"

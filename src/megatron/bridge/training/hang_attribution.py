@@ -10,10 +10,10 @@ released, as torch does in collectives and device syncs.
 
 An attempt is one start of the training function: ``attempt_<job>_<requeue>_<in-job restart>_<in-process iteration>``.
 At the next start, rank 0 summarizes every earlier attempt that left stack files: one log line per attempt naming each
-rank with its innermost frame (and whether it was waiting in a collective), also written to that attempt's
-``summary.txt``; the latest dump of a rank is the one named. A rank stopped with SIGSTOP, or killed before the delay,
-writes nothing but its header line. Files are appended to, never overwritten; a file holding only this start's
-header is removed when the rank shuts down normally.
+rank with its innermost frame (and whether it was waiting in a collective, a pipeline send/receive counting as one),
+also written to that attempt's ``summary.txt``; the latest dump of a rank is the one named. A rank stopped with
+SIGSTOP, or killed before the delay, writes nothing but its header line. Files are appended to, never overwritten; a
+file holding only this start's header is removed when the rank shuts down normally.
 """
 
 import faulthandler
@@ -33,7 +33,13 @@ logger = logging.getLogger(__name__)
 SUMMARY = "summary.txt"
 _FRAME_RE = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _THREAD_RE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
-_COLLECTIVE_PATHS = ("torch/distributed/", "megatron/core/distributed/", "megatron/core/parallel_state")
+_COLLECTIVE_PATHS = (
+    "torch/distributed/",
+    "megatron/core/distributed/",
+    "megatron/core/parallel_state",
+    "megatron/core/pipeline_parallel/p2p_communication",  # a pipeline send/receive waits in ``req.wait()`` (C++)
+)
+"""Code a rank waits in for its peers: collectives, and pipeline sends and receives."""
 _POLL_S = 0.25
 """How often the watchdog looks at the deadline."""
 _COLLECTIVE_DEPTH = 2
