@@ -19,29 +19,18 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.bridge.models.distributed import unwrap
 from megatron.bridge.training import event_stream, fault_injection
-from megatron.bridge.training.checkpoint import async_writer, layout, manifest, optimizer_state, storage
+from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, storage
 from megatron.bridge.training.checkpoint.local_tier import LocalTier, local_tier_of
 from megatron.bridge.training.checkpoint.resume import resolve_resume_path
 from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard, missing_checkpoint
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
-from megatron.bridge.training.rng import (
-    get_rng_state,
-    rng_blob_length,
-    rng_blob_to_tensor,
-    rng_state_from_tensor,
-    serialize_rng_state,
-    set_rng_state,
-)
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.utils.dist import all_gather_object, barrier, broadcast_from_rank0, on_rank0, rank, world_size
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_VERSION = 1
 
 
 class CheckpointType(enum.Enum):
@@ -82,65 +71,6 @@ def maybe_finalize_async_save(
 
 LOCAL_LOAD_SUSPECT_STEPS = 10
 """A non-finite loss this many steps or fewer after a local-tier load is blamed on the local checkpoint."""
-
-
-def _model_state_keys(model: list[torch.nn.Module]) -> list[str]:
-    """Checkpoint keys of the model chunks: ``model`` for one chunk, ``model0``, ``model1``, ... when interleaved."""
-    return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
-
-
-def _model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
-    """The model chunks' sharded state, by :func:`_model_state_keys`."""
-    return {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_state_keys(model), model)}
-
-
-def _sharded_state_dict(
-    model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    state: TrainState,
-    rng_bytes: Optional[int] = None,
-    rank_extra: Optional[dict] = None,
-    common_extra: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
-    """What a checkpoint holds; ``rng_bytes`` is ``None`` when saving and the stored blob length when loading.
-
-    RNG states differ per rank, so each rank stores its own as one row of a ``(world, rng_bytes)`` uint8 tensor
-    (a tensor, unlike a pickled object, loads without unpickling arbitrary code). ``rank_extra`` (plain values, per
-    rank, e.g. the re-run state machine's state) travels in the same row. ``common_extra``: more top-level entries of
-    plain values for the common part (e.g. goodput accounting).
-    """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    is_loading = rng_bytes is not None
-    if is_loading:
-        rng_row = torch.zeros(rng_bytes, dtype=torch.uint8)
-    else:
-        payload = serialize_rng_state({**get_rng_state(), _EXTRA_KEY: rank_extra})
-        rng_bytes = max(all_gather_object(rng_blob_length(payload)))
-        rng_row = rng_blob_to_tensor(payload, rng_bytes)
-    model_sd = _model_state(model)
-    if is_loading:
-        optimizer_state.prime_for_loading(optimizer)
-    return {
-        **(common_extra or {}),
-        "checkpoint_version": CHECKPOINT_VERSION,
-        **model_sd,
-        "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=optimizer_state.optimizer_metadata(model)
-        ),
-        "opt_param_scheduler": scheduler.state_dict(),
-        "train_state": state.state_dict(),
-        "rng_bytes": rng_bytes,
-        "rng_world_size": world_size(),
-        "rng_state": ShardedTensor.from_rank_offsets(
-            "rng_state", rng_row.unsqueeze(0), (0, rank(), world_size()), replica_id=0
-        ),
-    }
-
-
-_EXTRA_KEY = "rank_extra"
-"""Key of the per-rank extra state inside the per-rank RNG blob."""
 
 
 def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
@@ -273,7 +203,7 @@ class CheckpointManager:
         self._saves += 1
         attempt = f"{self._run_id}-{self._saves}"
         tmp = layout.tmp_dir(root, iteration, attempt)
-        sharded_sd = _sharded_state_dict(
+        sharded_sd = contents.sharded_state_dict(
             model, optimizer, scheduler, state, rank_extra=rank_extra, common_extra=self._extras()
         )
         # Every rank creates tmp and checks the free space, then all agree: nothing is written when it is short.
@@ -340,7 +270,7 @@ class CheckpointManager:
     def save_local(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> None:
         """Save the current state into the local tier (same content as a global checkpoint)."""
         assert self.local is not None, "validate() guarantees the local tier when a local save is due"
-        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state)
+        sharded_sd = contents.sharded_state_dict(model, optimizer, scheduler, state)
         self.storage.before_save(LOCAL, state.step, storage.tensor_bytes(sharded_sd))
         fault_injection.fill_storage(fault_injection.LOCAL_SAVE, rank(), state.step, self.storage.local_dir)
         try:
@@ -568,7 +498,7 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         """The sharded state dict to load a checkpoint with this ``common`` part into (any tier)."""
         self.loaded_common_extra = {name: common[name] for name in self._common_extra if name in common}
-        sharded_sd = _sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
+        sharded_sd = contents.sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
         if int(common.get("rng_world_size", world_size())) != world_size():
             # Per-rank generator states cannot be mapped onto another world size: keep this run's fresh seeds.
             del sharded_sd["rng_state"]
@@ -583,21 +513,4 @@ class CheckpointManager:
     def _apply(
         self, loaded: dict[str, Any], model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> None:
-        for key, chunk in zip(_model_state_keys(model), model):
-            unwrap(chunk).load_state_dict(loaded[key], strict=True)
-        with torch.no_grad():  # fp32 parameters are the distributed optimizer's main params: views of model leaves
-            optimizer.load_state_dict(loaded["optimizer"])
-        optimizer_state.after_loading(optimizer)
-        try:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        except AssertionError as err:  # megatron-core: the config's schedule differs from the checkpoint's
-            raise TrainingExit(
-                ExitCode.CONFIG_ERROR,
-                f"scheduler: {err}; set scheduler.use_checkpoint_opt_param_scheduler=True to keep the checkpoint's "
-                "schedule, or scheduler.override_opt_param_scheduler=True to use the config's",
-            ) from None
-        state.load_state_dict(loaded["train_state"])
-        if "rng_state" in loaded:
-            blob = rng_state_from_tensor(loaded["rng_state"][0])
-            self.loaded_rank_extra = blob.pop(_EXTRA_KEY, None)
-            set_rng_state(blob)
+        self.loaded_rank_extra = contents.apply_loaded(loaded, model, optimizer, scheduler, state)

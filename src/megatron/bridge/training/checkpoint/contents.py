@@ -1,0 +1,111 @@
+"""What a checkpoint holds, in either tier, and how a loaded one is put back into the run.
+
+The model chunks, the optimizer and scheduler states, the train state (iteration, consumed samples), every rank's
+RNG states and a per-rank extra (plain values, e.g. the re-run state machine's state): all a resumed run needs to
+continue bit-identically. The sharded state dict is built the same way for saving and for loading, so both tiers
+(``checkpointing.py``, ``local_tier.py``) agree on it.
+"""
+
+from typing import Any, Optional
+
+import torch
+
+from megatron.bridge.models.distributed import unwrap
+from megatron.bridge.training.checkpoint import optimizer_state
+from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.rng import (
+    get_rng_state,
+    rng_blob_length,
+    rng_blob_to_tensor,
+    rng_state_from_tensor,
+    serialize_rng_state,
+    set_rng_state,
+)
+from megatron.bridge.training.state import TrainState
+from megatron.bridge.utils.dist import all_gather_object, rank, world_size
+
+CHECKPOINT_VERSION = 1
+
+RANK_EXTRA_KEY = "rank_extra"
+"""Key of the per-rank extra state inside the per-rank RNG blob."""
+
+
+def model_state_keys(model: list[torch.nn.Module]) -> list[str]:
+    """Checkpoint keys of the model chunks: ``model`` for one chunk, ``model0``, ``model1``, ... when interleaved."""
+    return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
+
+
+def sharded_state_dict(
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    rng_bytes: Optional[int] = None,
+    rank_extra: Optional[dict] = None,
+    common_extra: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """What a checkpoint holds; ``rng_bytes`` is ``None`` when saving and the stored blob length when loading.
+
+    RNG states differ per rank, so each rank stores its own as one row of a ``(world, rng_bytes)`` uint8 tensor
+    (a tensor, unlike a pickled object, loads without unpickling arbitrary code). ``rank_extra`` (plain values, per
+    rank) travels in the same row. ``common_extra``: more top-level entries of plain values for the common part
+    (e.g. goodput accounting). Saving gathers the blob lengths from every rank (a collective).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    is_loading = rng_bytes is not None
+    if is_loading:
+        rng_row = torch.zeros(rng_bytes, dtype=torch.uint8)
+    else:
+        payload = serialize_rng_state({**get_rng_state(), RANK_EXTRA_KEY: rank_extra})
+        rng_bytes = max(all_gather_object(rng_blob_length(payload)))
+        rng_row = rng_blob_to_tensor(payload, rng_bytes)
+    model_sd = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(model_state_keys(model), model)}
+    if is_loading:
+        optimizer_state.prime_for_loading(optimizer)
+    return {
+        **(common_extra or {}),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        **model_sd,
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=optimizer_state.optimizer_metadata(model)
+        ),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "train_state": state.state_dict(),
+        "rng_bytes": rng_bytes,
+        "rng_world_size": world_size(),
+        "rng_state": ShardedTensor.from_rank_offsets(
+            "rng_state", rng_row.unsqueeze(0), (0, rank(), world_size()), replica_id=0
+        ),
+    }
+
+
+def apply_loaded(
+    loaded: dict[str, Any], model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
+) -> Optional[dict]:
+    """Put a loaded checkpoint into the run; return this rank's extra state (``None`` when RNG states were not loaded).
+
+    Raises:
+        TrainingExit: ``CONFIG_ERROR`` when the config's learning-rate schedule differs from the checkpoint's and
+            neither scheduler override is set.
+    """
+    for key, chunk in zip(model_state_keys(model), model):
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    with torch.no_grad():  # fp32 parameters are the distributed optimizer's main params: views of model leaves
+        optimizer.load_state_dict(loaded["optimizer"])
+    optimizer_state.after_loading(optimizer)
+    try:
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    except AssertionError as err:  # megatron-core: the config's schedule differs from the checkpoint's
+        raise TrainingExit(
+            ExitCode.CONFIG_ERROR,
+            f"scheduler: {err}; set scheduler.use_checkpoint_opt_param_scheduler=True to keep the checkpoint's "
+            "schedule, or scheduler.override_opt_param_scheduler=True to use the config's",
+        ) from None
+    state.load_state_dict(loaded["train_state"])
+    if "rng_state" not in loaded:
+        return None
+    blob = rng_state_from_tensor(loaded["rng_state"][0])
+    extra = blob.pop(RANK_EXTRA_KEY, None)
+    set_rng_state(blob)
+    return extra
