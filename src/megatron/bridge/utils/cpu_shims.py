@@ -522,44 +522,26 @@ def shutdown_gloo_connections(keep_ports: set[int]) -> int:
     once on both sides (the role ``abort()`` plays for NCCL communicators). The stores' connections (``keep_ports``,
     local or remote) stay up: the next restart iteration needs them. Linux only (``/proc``); elsewhere nothing.
     """
-    import os
     import socket
 
-    fds: dict[str, int] = {}
-    try:
-        entries = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    for fd in entries:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            fds[target[len("socket:[") : -1]] = int(fd)
+    from megatron.bridge.utils.tcp_sockets import ESTABLISHED, socket_fds, tcp_sockets
+
+    fds = socket_fds()
     closed = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
+    for row in tcp_sockets():
+        if row.inode not in fds or row.state != ESTABLISHED:
             continue
-        for row in rows:
-            fields = row.split()
-            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
-            if inode not in fds or state != "01":  # 01: ESTABLISHED
-                continue
-            if int(local.rsplit(":", 1)[1], 16) in keep_ports or int(remote.rsplit(":", 1)[1], 16) in keep_ports:
-                continue
-            try:
-                sock = socket.socket(fileno=fds[inode])
-            except OSError:  # gloo closed it meanwhile
-                continue
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                closed += 1
-            except OSError:
-                pass
-            finally:
-                sock.detach()  # the fd stays gloo's; only the connection is shut down
+        if row.local_port in keep_ports or row.remote_port in keep_ports:
+            continue
+        try:
+            sock = socket.socket(fileno=fds[row.inode])
+        except OSError:  # gloo closed it meanwhile
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            closed += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the fd stays gloo's; only the connection is shut down
     return closed

@@ -28,6 +28,8 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.bridge.utils.tcp_sockets import LISTEN, socket_fds, tcp_sockets
+
 C10D_DEFAULT_PORT = 29400
 """The port of a c10d ``--rdzv-endpoint`` without one (torch's ``DEFAULT_PORT``)."""
 STATIC_DEFAULT_PORT = 29500
@@ -189,26 +191,16 @@ def holder(port: int) -> Optional[str]:
 
 def listener(port: int) -> Optional[tuple[int, str]]:
     """(pid, whole command line) of a process listening on TCP ``port`` of this host, where ``/proc`` tells."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                inodes.add(f"socket:[{cols[9]}]")
+    inodes = {sock.inode for sock in tcp_sockets() if sock.state == LISTEN and sock.local_port == port}
     for pid in (p for p in os.listdir("/proc") if p.isdigit()) if inodes else ():
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-                return int(pid), command
-        except OSError:  # gone, or not ours to look at
+        if not inodes.intersection(socket_fds(pid)):
             continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        return int(pid), command
     return None
 
 
