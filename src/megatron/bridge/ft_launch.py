@@ -38,8 +38,8 @@ from typing import Any, Optional
 from megatron.bridge import launcher_events, standby
 from megatron.bridge.training.event_stream import EventKind, EventWriter, Process, launcher_file
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.goodput import process_start_time
 from megatron.bridge.utils import rendezvous_port, upstream
+from megatron.bridge.utils.process_start import process_start_time
 from megatron.bridge.utils.rendezvous_port import StorePort
 
 _PICK_PORT = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"

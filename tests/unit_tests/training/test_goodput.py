@@ -5,7 +5,6 @@ import logging
 import math
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -258,12 +257,6 @@ def test_only_rank0_writes_files(tmp_path):
     assert tracker.finish(3, "FINISHED (exit code 0)") is not None
     assert not (tmp_path / "goodput").exists()
     assert _tracker(tmp_path, clock).finish(None, "RuntimeError") is None  # ended before its checkpoint load
-
-
-def test_process_start_time_is_this_process_start():
-    start = goodput.process_start_time()
-    assert time.time() - 24 * 3600 < start <= time.time()
-    assert start <= goodput._IMPORTED_AT + 1.0
 
 
 def test_an_exception_keeps_the_last_step_as_the_last_sign_of_life(tmp_path):

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.utils.fs import atomic_write_json
+from megatron.bridge.utils.process_start import process_start_time
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ _VERSION = 1
 _EARLIER_JOBS_KEPT = 32  # a chain of jobs on one save directory keeps the totals of this many before it
 _KEPT_FROM_PROGRESS = ("startup", "restart", "checkpoint_save", "rerun")
 """Causes a failed attempt's progress record keeps past the checkpoint; the rest of its time there is rollback."""
-_IMPORTED_AT = time.time()
 _warned_missing = False
 
 
@@ -49,23 +49,6 @@ def steady_wall_clock() -> Callable[[], float]:
     """
     wall, mono = time.time(), time.monotonic()
     return lambda: wall + (time.monotonic() - mono)
-
-
-def process_start_time() -> float:
-    """Unix time this process started: from ``/proc/self/stat``, else psutil, else when this module was imported."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as up:
-            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: start after boot, in ticks
-            uptime = float(up.read().split()[0])
-        return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - not installed or not permitted: the import time is the best left
-        return _IMPORTED_AT
 
 
 def _ledger(record: Any) -> Optional[dict[str, Any]]:

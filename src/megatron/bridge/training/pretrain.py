@@ -30,7 +30,7 @@ from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultToleranceCallback
 from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
-from megatron.bridge.training.goodput import GoodputCallback, GoodputTracker, process_start_time
+from megatron.bridge.training.goodput import GoodputCallback, GoodputTracker
 from megatron.bridge.training.hang_attribution import (
     HangWatch,
     HangWatchCallback,
@@ -57,6 +57,7 @@ from megatron.bridge.training.utils.overrides import apply_overrides
 from megatron.bridge.training.utils.sig_utils import ignore_in_worker
 from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
+from megatron.bridge.utils.process_start import process_start_time
 
 logger = logging.getLogger(__name__)
 
