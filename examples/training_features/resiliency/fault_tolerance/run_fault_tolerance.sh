@@ -36,7 +36,6 @@ elif [ -n "${1:-}" ]; then
   exit 2
 fi
 
-export GROUP_RANK=${GROUP_RANK:-0}  # ft_launcher sets it for its workers; exported for non-Slurm runs as well
 python -m megatron.bridge.ft_launch --nproc-per-node="$NPROC" --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 \
   --max-restarts="$MAX_RESTARTS" \
   --ft-rank-section-timeouts="setup:180,step:${STEP_TIMEOUT},checkpointing:120" \

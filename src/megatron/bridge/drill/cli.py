@@ -193,7 +193,6 @@ def _train(
         **{k: v for k, v in os.environ.items() if k != fault_injection.ENV},  # the schedule is the only faults
         "PYTHONUNBUFFERED": "1",
         **INPROCESS_ENV,  # what in-process restart needs in the ranks' environment
-        "GROUP_RANK": os.environ.get("GROUP_RANK", "0"),
         "MBRIDGE_JOB_START_TIME": f"{start:.3f}",
         "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning"),
     }
