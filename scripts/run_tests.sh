@@ -31,6 +31,10 @@ ruff check src tests examples benchmarks
 ruff format --check src tests examples benchmarks
 
 basetemp=$(mktemp -d "${TMPDIR:-/tmp}/mbridge-tests.XXXXXX")
+# What the runs leave in the temporary directory (torch elastic's torchelastic_* log folders, one per launch) goes
+# with the run's own files, and is removed with them.
+mkdir -p "$basetemp/tmp"
+export TMPDIR="$basetemp/tmp"
 statuses=()
 run() {  # run one tier; remember its pytest status (5: it collected no test)
   local status=0
