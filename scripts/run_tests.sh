@@ -33,7 +33,9 @@ ruff format --check src tests examples benchmarks
 basetemp=$(mktemp -d "${TMPDIR:-/tmp}/mbridge-tests.XXXXXX")
 # What the runs leave in the temporary directory (torch elastic's torchelastic_* log folders, one per launch) goes
 # with the run's own files, and is removed with them.
-mkdir -p "$basetemp/tmp"
+# Modes as /tmp has them: munged refuses a socket under a directory not everyone may enter.
+chmod 755 "$basetemp"
+mkdir -p -m 1777 "$basetemp/tmp"
 export TMPDIR="$basetemp/tmp"
 statuses=()
 run() {  # run one tier; remember its pytest status (5: it collected no test)
