@@ -122,6 +122,20 @@ def test_a_shared_port_a_launcher_holds_is_joined_and_one_anything_else_holds_is
 
 
 @pytest.mark.timeout(30)
+def test_a_launcher_is_told_by_a_whole_argument_not_by_part_of_one(monkeypatch):
+    def listening(argv):
+        monkeypatch.setattr(rendezvous_port, "listener", lambda port: (1, argv))
+        return rendezvous_port.peer_launcher(29400)
+
+    assert listening(["/venv/bin/python", "-m", "megatron.bridge.ft_launch", "--nproc-per-node=2"])
+    assert listening(["/venv/bin/python", "/venv/bin/ft_launcher", "--rdzv-backend=c10d"])
+    assert listening(["/usr/bin/torchrun", "train.py"])
+    # a test run, an editor, a tail of a log: the name inside an argument is not a launcher
+    assert not listening(["/venv/bin/python", "-m", "pytest", "tests/unit_tests/test_ft_launch.py"])
+    assert not listening(["vim", "src/megatron/bridge/ft_launch.py"])
+
+
+@pytest.mark.timeout(30)
 def test_a_free_port_or_nothing_to_probe_gives_no_message():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -186,21 +186,21 @@ def in_use(port: int) -> bool:
 def holder(port: int) -> Optional[str]:
     """``pid N (command line)`` of a process listening on TCP ``port`` of this host, where ``/proc`` tells."""
     found = listener(port)
-    return None if found is None else f"pid {found[0]} ({found[1][:120]})"
+    return None if found is None else f"pid {found[0]} ({' '.join(found[1])[:120]})"
 
 
-def listener(port: int) -> Optional[tuple[int, str]]:
-    """(pid, whole command line) of a process listening on TCP ``port`` of this host, where ``/proc`` tells."""
+def listener(port: int) -> Optional[tuple[int, list[str]]]:
+    """(pid, command-line arguments) of a process listening on TCP ``port`` of this host, where ``/proc`` tells."""
     inodes = {sock.inode for sock in tcp_sockets() if sock.state == LISTEN and sock.local_port == port}
     for pid in (p for p in os.listdir("/proc") if p.isdigit()) if inodes else ():
         if not inodes.intersection(socket_fds(pid)):
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                argv = f.read().decode(errors="replace").split("\0")
         except OSError:  # gone meanwhile
             continue
-        return int(pid), command
+        return int(pid), [arg for arg in argv if arg]
     return None
 
 
@@ -247,8 +247,9 @@ def port_taken(store: Optional[StorePort], launcher: str) -> Optional[str]:
     return port_in_use_message(store, launcher)
 
 
-LAUNCHERS = ("ft_launch", "ft_launcher", "torch.distributed.run", "torchrun", "megatron.bridge.launch")
-"""Command-line words of the launchers whose rendezvous store another launcher of the same job may join."""
+LAUNCHERS = ("megatron.bridge.ft_launch", "ft_launcher", "torch.distributed.run", "torchrun", "megatron.bridge.launch")
+"""The launchers whose rendezvous store another launcher of the same job may join: a module run with ``-m`` or an
+executable, matched as a whole argument (or an executable's file name), never as part of one."""
 
 
 def peer_launcher(port: int) -> bool:
@@ -258,7 +259,7 @@ def peer_launcher(port: int) -> bool:
     replies (torch's store client ignores its timeout there), so the listener's command line decides.
     """
     found = listener(port)
-    return found is not None and any(word in found[1] for word in LAUNCHERS)
+    return found is not None and any(os.path.basename(arg) in LAUNCHERS for arg in found[1])
 
 
 def _chain(err: BaseException) -> list[BaseException]:
