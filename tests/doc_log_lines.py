@@ -185,6 +185,8 @@ CHECKS: dict[str, tuple[str, ...]] = {
     ),
     f"{_TRAINING}/test_fault_tolerance.py::test_restart_budget_is_bounded": (
         "Some rank(s) exited with non-zero exit code: …. Agent's exit code = 1",
+        "ft_launch: the workers failed with exit code 137 (killed by a signal); the launcher exits with it, not with "
+        "ft_launcher's 1",
     ),
     f"{_TRAINING}/test_fault_tolerance_example.py::test_timeouts_come_from_the_launcher_then_are_learned": (
         "[FaultTolerance] section timeouts (from the launcher): setup=180.0s, step=10.0s, checkpointing=120.0s, "

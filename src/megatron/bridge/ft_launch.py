@@ -6,10 +6,11 @@ seconds later, after its imports. In between, the kernel may hand the same port 
 local end of an outgoing connection or a ``listen()`` on port 0, and rank 0 dies with ``EADDRINUSE``: a lost restart
 on a busy node, and a failed attempt where none was due.
 
-What this does: the same launcher, arguments and exit codes, except that the port is drawn at random from the ports
+What this does: the same launcher and arguments, except that the port is drawn at random from the ports
 the kernel never hands out by itself (outside ``/proc/sys/net/ipv4/ip_local_port_range``) and checked by binding it.
 Only an explicit bind of the same number in the same seconds can still collide. Where the range cannot be read, the
-launcher's own choice stands.
+launcher's own choice stands. When ft_launcher gives up on its workers (restarts used up), it exits 1 whatever
+their codes; this launcher exits with theirs instead (:func:`workers_exit_code`), as ``megatron.bridge.launch`` does.
 
 ``--event-dir DIR`` (ours, removed before ft_launcher parses the rest) writes the launcher's side of the event
 stream into ``DIR`` (``launcher_events.py``: worker exits, in-job restarts and their phases, rank-monitor timeouts)
@@ -37,7 +38,7 @@ from typing import Any, Optional
 
 from megatron.bridge import launcher_events, standby
 from megatron.bridge.training.event_stream import EventKind, EventWriter, Process, launcher_file
-from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.exit_codes import ExitCode, job_exit_code
 from megatron.bridge.utils import rendezvous_port, upstream
 from megatron.bridge.utils.process_start import process_start_time
 from megatron.bridge.utils.rendezvous_port import StorePort
@@ -115,6 +116,35 @@ def _rendezvous_errors_exit_28(run: Any, store: Optional[StorePort], parsed: Any
     return wrapper
 
 
+def _remember_worker_failures(run: Any, child_failed: type, failed: list[Any]) -> Any:
+    """ft_launcher's ``run``, keeping the ``child_failed`` error it ends with (restarts used up) in ``failed``.
+
+    ``child_failed`` is the class ft_launcher's ``main`` catches: its own copy of torch elastic's ``ChildFailedError``.
+    """
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except child_failed as err:
+            failed.append(err)
+            raise
+
+    return wrapper
+
+
+def workers_exit_code(failed: list[Any]) -> Optional[int]:
+    """The job's exit code from the workers' failures ft_launcher gave up on (:func:`job_exit_code`), else ``None``.
+
+    ft_launcher exits 1 whatever its workers' codes were; this launcher exits with theirs, as
+    ``python -m megatron.bridge.launch`` does, so a scheduler can tell a full disk (26) from a crash.
+    """
+    if not failed:
+        return None
+    in_order = sorted(failed[-1].failures.values(), key=lambda failure: failure.timestamp)
+    return job_exit_code([failure.exitcode for failure in in_order])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run ``ft_launcher`` with ``argv`` (default: this process's arguments); return its exit code."""
     import torch  # noqa: F401 - before the standby forks: its workers need it; ft_launcher's logging they do not
@@ -133,21 +163,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     from nvidia_resiliency_ext.fault_tolerance import launcher as ft_launcher
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main
 
-    ft_launcher.run = _rendezvous_errors_exit_28(ft_launcher.run, store, parsed)
+    failed: list[Any] = []
+    run = _rendezvous_errors_exit_28(ft_launcher.run, store, parsed)
+    ft_launcher.run = _remember_worker_failures(run, ft_launcher.ChildFailedError, failed)
     upstream.patch(_PICK_PORT, socket_on_a_quiet_port)
     events = launcher_events.install(event_dir) if event_dir else None
     if events is not None:
         events.writer.emit(EventKind.LAUNCHER_STARTED, process_start=process_start_time())
-    code: Optional[int] = 1
+    code = 1
     try:
         code = ft_launcher_main(argv) or 0
-        return code
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
-        raise
     finally:
+        workers = workers_exit_code(failed)
+        if code == 1 and workers not in (None, 1):  # ft_launcher's "Agent's exit code = 1" after the workers failed
+            code = workers
+            name = ExitCode(code).name if code in {int(c) for c in ExitCode} else "killed by a signal"
+            print(f"ft_launch: the workers failed with exit code {code} ({name}); the launcher exits with it, not with "
+                  "ft_launcher's 1", file=sys.stderr)  # fmt: skip
         if events is not None:
             events.writer.emit(EventKind.EXIT, exit_code=code)
+    return code
 
 
 if __name__ == "__main__":

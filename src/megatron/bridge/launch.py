@@ -2,7 +2,9 @@
 
 torchrun exits 1 whenever a worker fails, hiding *why* training stopped. This launcher accepts every torchrun
 argument and, when workers fail, exits with the code of the first one that did (see ``training/exit_codes.py``),
-so a Slurm script or scheduler policy can tell "preempted, requeue" (18) from "bad config, stop" (2).
+so a Slurm script or scheduler policy can tell "preempted, requeue" (18) from "bad config, stop" (2). A code that
+says *stop* wins over an earlier one: a rank that found a full disk (26) is not hidden by a peer that crashed in the
+broken collective after it (1).
 A worker killed by a signal maps to 128 + signal number, as a shell reports it. When the launcher itself gets a
 signal (a scheduler stopping the job), torchrun passes it to the workers and waits for them (up to 30 s; with
 ``train.exit_signal_handler`` they save and exit 18), then this launcher exits 128 + signal number.
@@ -21,13 +23,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from megatron.bridge import standby
-from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.exit_codes import ExitCode, job_exit_code
 from megatron.bridge.utils import oom, rendezvous_port
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run torchrun with ``argv``; return the exit code of the first failed worker, or 0."""
+    """Run torchrun with ``argv``; return the failed workers' exit code (:func:`job_exit_code`), or 0."""
     argv = sys.argv[1:] if argv is None else argv
     store = rendezvous_port.hosted_store(parse_args([a for a in argv if a != standby.OPT_OUT]))
     taken = rendezvous_port.port_taken(store, rendezvous_port.TORCHRUN)  # before the standby starts importing
@@ -39,14 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
         print(err.format_msg(), file=sys.stderr)
         for failed_rank, each in sorted(err.failures.items()):
             verdict = memory.verdict(each.pid) if each.exitcode == -signal.SIGKILL else None
             if verdict is not None:
                 print(oom.message(failed_rank, verdict), file=sys.stderr)
-        code = failure.exitcode
-        return 128 - code if code < 0 else (code or 1)
+        in_order = sorted(err.failures.values(), key=lambda failure: failure.timestamp)
+        return job_exit_code([failure.exitcode for failure in in_order])
     except SignalException as err:
         print(
             f"launcher stopped by {err.sigval.name}; its workers were given the signal and waited for", file=sys.stderr

@@ -96,7 +96,8 @@ def test_calculated_timeouts_are_saved_and_loaded(tmp_path):
 
 def test_restart_budget_is_bounded(tmp_path):
     run = ft_launcher(tmp_path / "ckpt", FT, max_restarts=2, env={"MBRIDGE_FAULTS": "kill@2:1:always"})
-    assert run.exit_code != 0, tail(run)
+    assert run.exit_code == 128 + 9, tail(run)  # the killed worker's code, not ft_launcher's 1
+    assert run.events(EventKind.EXIT)[-1].exit_code == 128 + 9  # the launcher's exit event says the same
     assert len(run.events(EventKind.FAULT_INJECTED)) == 3  # first attempt + 2 restarts, then stop
     assert len(run.events(EventKind.RESTART_BEGUN)) == 2
     assert "Some rank(s) exited with non-zero exit code" in run.output, tail(run, 80)

@@ -161,7 +161,7 @@ def test_a_rank_the_kernel_kills_for_memory_is_named_by_the_launcher(tmp_path, m
     run = result["run"]
     assert pid is not None, tail(run)
     assert "oom_kill 1" in oom_control.splitlines() and failcnt > 0, oom_control  # the kernel killed it
-    assert run.exit_code != 0, tail(run)
+    assert run.exit_code == 128 + 9, tail(run)  # the killed rank's code: ft_launch passes it through
     [injected] = run.events(EventKind.FAULT_INJECTED)
     assert (injected.fault_kind, injected.rank, injected.signal) == ("oom", 1, None)  # no signal of ours
     [exited] = [e for e in run.events(EventKind.WORKER_EXITED) if e.worker_pid == pid]

@@ -8,6 +8,7 @@ Codes 16 and 17 are megatron-core's re-run state machine codes and keep their up
 """
 
 import enum
+from collections.abc import Sequence
 
 
 class ExitCode(enum.IntEnum):
@@ -77,6 +78,34 @@ class ExitCode(enum.IntEnum):
     LAUNCH_FAILED = 28
     """The launcher could not start the workers: the rendezvous port is in use or the rendezvous endpoint cannot be
     reached. Nothing ran. Action: requeue (another port, or once the other job is gone)."""
+
+
+STOP_CODES = frozenset(
+    {
+        ExitCode.CONFIG_ERROR,
+        ExitCode.NO_VALID_CHECKPOINT,
+        ExitCode.RERUN_FAILED_VALIDATION,
+        ExitCode.EXIT_INTERVAL,
+        ExitCode.STORAGE_FULL,
+        ExitCode.STORAGE_UNAVAILABLE,
+    }
+)
+"""The codes whose action is *stop*: restarting the job cannot help."""
+
+
+def job_exit_code(worker_codes: Sequence[int]) -> int:
+    """The one exit code for a job whose workers failed with ``worker_codes`` (in the order they failed).
+
+    A worker's code is its process exit code, negative for a signal (as ``subprocess`` reports it); the result is the
+    shell's form (128 + signal). The first code that says *stop* (:data:`STOP_CODES`) wins: when one rank finds a full
+    disk and its peers then fail in a broken collective, the job must not be requeued into the same full disk. Else
+    the first failure's code. A worker that failed with 0 (it should not) counts as 1.
+    """
+    if not worker_codes:
+        return int(ExitCode.FINISHED)
+    stops = [code for code in worker_codes if code in STOP_CODES]
+    code = stops[0] if stops else worker_codes[0]
+    return 128 - code if code < 0 else (code or int(ExitCode.UNEXPECTED_ERROR))
 
 
 class TrainingExit(SystemExit):
