@@ -105,7 +105,12 @@ def test_goodput_is_accounted_across_restarts(main_job):
     assert 0 < g["goodput"] < 1 and g["goodput"] == pytest.approx(g["productive_s"] / g["wall_s"], rel=1e-3)
     assert g["wall_s"] == pytest.approx(result["wall_s"], rel=0.1)  # the job's clock agrees with the drill's
     assert g["lost_s"]["restart"] > 0 and g["lost_s"]["rollback"] > 0
+    assert all(0 <= lost <= g["wall_s"] for lost in g["lost_s"].values()), g["lost_s"]  # each cause a real span
     assert g["productive_s"] + sum(g["lost_s"].values()) == pytest.approx(g["wall_s"], rel=1e-3)
+    # Every phase of every restart, in-process ones included, is a span inside the drill's wall time.
+    phases = [(r["layer"], key, s) for r in result["restart_phases"] for key, s in r.items() if key.endswith("_s")]
+    assert {layer for layer, _, _ in phases} == {"in_job", "in_process"}
+    assert all(s is None or -0.02 <= s <= result["wall_s"] for _, _, s in phases), phases  # /proc: 10 ms ticks
 
 
 def test_the_plot_tensorboard_and_checkpoints_are_written(main_job):

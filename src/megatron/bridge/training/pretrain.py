@@ -105,6 +105,7 @@ def _pretrain(
     """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down."""
     cfg = global_state.cfg
     start_time = time.monotonic()  # a deadline's start (exit_duration_in_mins): a wall-clock step must not move it
+    started_at = time.time()  # the same start as a timestamp: events and goodput compare it with other processes'
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.builders import build_train_valid_test_data_iterators, started
     from megatron.bridge.models.distributed import provide_distributed_model
@@ -129,7 +130,7 @@ def _pretrain(
     )
     liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is)
     # Goodput: an in-process restart iteration is an attempt of its own, from now; the first, from the process start.
-    attempt_start = start_time if restart is not None and restart.iteration > 0 else process_start_time()
+    attempt_start = started_at if restart is not None and restart.iteration > 0 else process_start_time()
     goodput = GoodputTracker(_job_id(), attempt, attempt_start, cfg.checkpoint.save, rank)
     recorder.attempt_started(
         process_start=process_start_time(), attempt_start=attempt_start, attempt=attempt, job_id=_job_id()
