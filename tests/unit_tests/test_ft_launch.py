@@ -1,6 +1,7 @@
 """ft_launch: the workers' store port comes from outside the kernel's ephemeral range, through ft_launcher itself."""
 
 import sys
+import types
 
 import pytest
 
@@ -27,10 +28,12 @@ def test_without_a_readable_range_the_launcher_keeps_its_own_choice(tmp_path):
 def test_the_launchers_port_pick_is_replaced_for_the_run(monkeypatch):
     import nvidia_resiliency_ext.fault_tolerance.launcher as launcher
 
+    from megatron.bridge.launcher_events import MONITOR
     from megatron.bridge.utils import upstream
 
     pick_port = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
-    monkeypatch.setattr(upstream.owner(pick_port), pick_port.rsplit(":", 1)[1], upstream.get(pick_port))  # restored
+    for key in (pick_port, MONITOR):
+        _restored(monkeypatch, key)
 
     low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
     picked = []
@@ -46,35 +49,49 @@ def test_the_launchers_port_pick_is_replaced_for_the_run(monkeypatch):
     assert not low <= port <= high, f"port {port} is in the ephemeral range {low}-{high}"
 
 
-def test_when_ft_launcher_gives_up_the_launcher_exits_with_the_workers_code(monkeypatch, capsys):
-    import nvidia_resiliency_ext.fault_tolerance.launcher as launcher
-
+def _restored(monkeypatch, key):
+    """Put ``key``'s upstream attribute back after the test (``ft_launch.main`` patches it for the process)."""
     from megatron.bridge.utils import upstream
 
-    # ft_launcher's own copy of torch elastic's classes: the ones its main catches
-    ChildFailedError = launcher.ChildFailedError  # noqa: N806
-    ProcessFailure = sys.modules[ChildFailedError.__module__].ProcessFailure  # noqa: N806
+    monkeypatch.setattr(upstream.owner(key), key.rsplit(":", 1)[1].rsplit(".", 1)[-1], upstream.get(key))
+
+
+def test_the_workers_code_replaces_ft_launchers_1_a_stop_code_first(capsys):
+    failures = ft_launch.WorkerFailures()
+    assert failures.exit_code(1) == 1 and failures.exit_code(0) == 0  # no failure seen: the launcher's own code
+
+    def failure(code, at):
+        return types.SimpleNamespace(exitcode=code, timestamp=at)
+
+    failures.seen({})  # a look at healthy workers changes nothing
+    failures.seen({1: failure(1, 1000), 0: failure(26, 1001)})  # rank 1 crashed in the collective rank 0 left
+    assert failures.exit_code(1) == 26
+    assert "the workers failed with exit code 26 (STORAGE_FULL)" in capsys.readouterr().err
+    assert failures.exit_code(28) == 28  # a code of the launcher's own (not its "workers failed" 1) stands
+    failures.seen({1: failure(-9, 1000)})  # the last failures are the ones that count
+    assert failures.exit_code(1) == 128 + 9 and "(killed by a signal)" in capsys.readouterr().err
+    failures.seen({0: failure(1, 1000)})
+    assert failures.exit_code(1) == 1 and capsys.readouterr().err == ""  # a crash: nothing to say
+
+
+def test_a_launcher_that_ends_after_a_stop_code_exits_with_it(monkeypatch, capsys):
+    import nvidia_resiliency_ext.fault_tolerance.launcher as launcher
+
+    from megatron.bridge.launcher_events import MONITOR
+    from megatron.bridge.utils import upstream
 
     pick_port = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
-    monkeypatch.setattr(upstream.owner(pick_port), pick_port.rsplit(":", 1)[1], upstream.get(pick_port))  # restored
+    for key in (pick_port, MONITOR):
+        _restored(monkeypatch, key)
     monkeypatch.setattr(ft_launch.standby, "install", lambda launcher_name, argv: argv)
+    failed = {0: types.SimpleNamespace(exitcode=17, timestamp=1000)}
+    monkeypatch.setattr(upstream.owner(MONITOR), "_monitor_workers", lambda agent, group: types.SimpleNamespace(
+        failures=failed))  # fmt: skip
 
-    def run(args):  # rank 1 crashed in the collective rank 0 left when it found the disk full
-        failures = {0: ProcessFailure(0, 11, 26, ""), 1: ProcessFailure(1, 12, 1, "")}
-        failures[1].timestamp, failures[0].timestamp = 1000, 1001
-        raise ChildFailedError("train.py", failures)
+    def upstream_main(args):  # the agent saw rank 0 fail with 17; its restart found the rendezvous closed: exit 1
+        upstream.get(MONITOR)(None, None)
+        sys.exit(1)
 
-    def upstream_main(args):  # what ft_launcher's main does with it: log, then exit 1
-        try:
-            launcher.run(args)
-        except ChildFailedError:
-            sys.exit(1)
-        sys.exit(0)
-
-    monkeypatch.setattr(launcher, "run", run)
     monkeypatch.setattr(launcher, "main", upstream_main)
-    assert ft_launch.main(["--nproc-per-node=2", "train.py"]) == 26  # the stop code, not the earlier crash's 1
-    assert "the workers failed with exit code 26 (STORAGE_FULL)" in capsys.readouterr().err
-
-    monkeypatch.setattr(launcher, "run", lambda args: None)  # the workers finished: ft_launcher's 0 stands
-    assert ft_launch.main(["--nproc-per-node=2", "train.py"]) == 0
+    assert ft_launch.main(["--nproc-per-node=2", "train.py"]) == 17
+    assert "the workers failed with exit code 17 (RERUN_FAILED_VALIDATION)" in capsys.readouterr().err

@@ -9,8 +9,9 @@ on a busy node, and a failed attempt where none was due.
 What this does: the same launcher and arguments, except that the port is drawn at random from the ports
 the kernel never hands out by itself (outside ``/proc/sys/net/ipv4/ip_local_port_range``) and checked by binding it.
 Only an explicit bind of the same number in the same seconds can still collide. Where the range cannot be read, the
-launcher's own choice stands. When ft_launcher gives up on its workers (restarts used up), it exits 1 whatever
-their codes; this launcher exits with theirs instead (:func:`workers_exit_code`), as ``megatron.bridge.launch`` does.
+launcher's own choice stands. When ft_launcher ends after its workers failed (restarts used up, or a rank asked it
+not to restart), it exits 1 whatever their codes; this launcher exits with theirs instead (:class:`WorkerFailures`),
+chosen as ``megatron.bridge.launch`` does.
 
 ``--event-dir DIR`` (ours, removed before ft_launcher parses the rest) writes the launcher's side of the event
 stream into ``DIR`` (``launcher_events.py``: worker exits, in-job restarts and their phases, rank-monitor timeouts)
@@ -116,33 +117,47 @@ def _rendezvous_errors_exit_28(run: Any, store: Optional[StorePort], parsed: Any
     return wrapper
 
 
-def _remember_worker_failures(run: Any, child_failed: type, failed: list[Any]) -> Any:
-    """ft_launcher's ``run``, keeping the ``child_failed`` error it ends with (restarts used up) in ``failed``.
+class WorkerFailures:
+    """The workers' failures the agent saw last: what the job's exit code is taken from when ft_launcher exits 1.
 
-    ``child_failed`` is the class ft_launcher's ``main`` catches: its own copy of torch elastic's ``ChildFailedError``.
+    ft_launcher exits 1 whatever its workers' codes were, both when its restarts are used up and when a rank asked it
+    not to restart (a stop code: its rendezvous is closed, and the agent ends on that). The agent's worker monitor
+    (a private upstream method, through ``utils/upstream.py``) is wrapped to keep the last failures it returned.
     """
 
-    @functools.wraps(run)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(*args, **kwargs)
-        except child_failed as err:
-            failed.append(err)
-            raise
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        """The last failed workers' exit codes (negative: a signal), in the order they failed."""
 
-    return wrapper
+    def install(self) -> bool:
+        """Wrap the agent's worker monitor; ``False`` (the launcher's own exit code stands) when it is gone."""
+        original = upstream.find(launcher_events.MONITOR)
+        if original is None:
+            return False
 
+        @functools.wraps(original)
+        def monitor(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(agent, worker_group, *args, **kwargs)
+            self.seen(getattr(result, "failures", None) or {})
+            return result
 
-def workers_exit_code(failed: list[Any]) -> Optional[int]:
-    """The job's exit code from the workers' failures ft_launcher gave up on (:func:`job_exit_code`), else ``None``.
+        return upstream.patch(launcher_events.MONITOR, monitor)
 
-    ft_launcher exits 1 whatever its workers' codes were; this launcher exits with theirs, as
-    ``python -m megatron.bridge.launch`` does, so a scheduler can tell a full disk (26) from a crash.
-    """
-    if not failed:
-        return None
-    in_order = sorted(failed[-1].failures.values(), key=lambda failure: failure.timestamp)
-    return job_exit_code([failure.exitcode for failure in in_order])
+    def seen(self, failures: dict[int, Any]) -> None:
+        """A look at the workers returned ``failures`` (global rank -> failure with ``exitcode`` and ``timestamp``)."""
+        if failures:
+            in_order = sorted(failures.values(), key=lambda failure: failure.timestamp)
+            self.codes = [int(failure.exitcode) for failure in in_order]
+
+    def exit_code(self, launcher_code: int) -> int:
+        """The job's exit code: the workers' (:func:`job_exit_code`) where ft_launcher's 1 hides it, else its own."""
+        workers = job_exit_code(self.codes) if self.codes else None
+        if launcher_code != 1 or workers in (None, 1):
+            return launcher_code
+        name = ExitCode(workers).name if workers in {int(c) for c in ExitCode} else "killed by a signal"
+        print(f"ft_launch: the workers failed with exit code {workers} ({name}); the launcher exits with it, not with "
+              "ft_launcher's 1", file=sys.stderr)  # fmt: skip
+        return workers
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -163,11 +178,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from nvidia_resiliency_ext.fault_tolerance import launcher as ft_launcher
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main
 
-    failed: list[Any] = []
-    run = _rendezvous_errors_exit_28(ft_launcher.run, store, parsed)
-    ft_launcher.run = _remember_worker_failures(run, ft_launcher.ChildFailedError, failed)
+    ft_launcher.run = _rendezvous_errors_exit_28(ft_launcher.run, store, parsed)
     upstream.patch(_PICK_PORT, socket_on_a_quiet_port)
     events = launcher_events.install(event_dir) if event_dir else None
+    failures = WorkerFailures()
+    failures.install()
     if events is not None:
         events.writer.emit(EventKind.LAUNCHER_STARTED, process_start=process_start_time())
     code = 1
@@ -176,12 +191,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     finally:
-        workers = workers_exit_code(failed)
-        if code == 1 and workers not in (None, 1):  # ft_launcher's "Agent's exit code = 1" after the workers failed
-            code = workers
-            name = ExitCode(code).name if code in {int(c) for c in ExitCode} else "killed by a signal"
-            print(f"ft_launch: the workers failed with exit code {code} ({name}); the launcher exits with it, not with "
-                  "ft_launcher's 1", file=sys.stderr)  # fmt: skip
+        code = failures.exit_code(code)
         if events is not None:
             events.writer.emit(EventKind.EXIT, exit_code=code)
     return code

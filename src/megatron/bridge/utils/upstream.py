@@ -253,7 +253,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     *(
         Symbol(f"{_FT_AGENT}.{method}", "patch", f"launcher_events.py: {why} (observed, then upstream's runs)")
         for method, why in (
-            ("_monitor_workers", "worker exits and their codes or signals"),
+            ("_monitor_workers", "worker exits and their codes or signals (also ft_launch.py: the job's exit code)"),
             ("_restart_workers", "when an in-job restart begins"),
             ("_stop_workers", "when the workers are stopped"),
             ("_initialize_workers", "when the new workers run"),
