@@ -23,7 +23,15 @@ from pathlib import Path
 import pytest
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.env_report import record
-from tests.functional_tests.harness import KEEP_SCHEDULE, assert_same_state, checkpoint_state, launch, tail, torchrun
+from tests.functional_tests.harness import (
+    KEEP_SCHEDULE,
+    assert_same_state,
+    checkpoint_state,
+    ft_launcher,
+    launch,
+    tail,
+    torchrun,
+)
 from tests.mounts import slow_disk, tmpfs
 from tests.resources import free_port
 
@@ -31,6 +39,7 @@ from megatron.bridge.training.checkpoint import layout, manifest, storage
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.fault_injection import FILL_FILE
 
+FT = "ft.enable_ft_package=true"
 LOCAL = ["checkpoint.non_persistent_ckpt_type=local", "checkpoint.non_persistent_save_interval=2"]
 
 
@@ -113,6 +122,25 @@ def test_disk_full_during_a_global_save(reference_tp1, tmp_path, mode):
         record(
             f"disk full during {article} {mode} global save", run, Mechanism.STORAGE_FULL, resumed="from 3, bit-exact"
         )
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_under_ft_launcher_is_not_restarted_and_the_job_exits_26(reference_tp1, tmp_path):
+    # Before: ft_launcher restarted its workers into the same full disk until its restarts ran out, then exited 1.
+    with tmpfs(tmp_path / "fs", "size=64m") as fs:
+        ckpt = fs / "ckpt"
+        run = ft_launcher(ckpt, FT, max_restarts=3, env={"MBRIDGE_FAULTS": "fill@6:0:global_save"})
+        assert run.exit_code == 26, tail(run)
+        assert "asked ft_launcher not to restart the workers: exit code 26 (STORAGE_FULL)" in run.output, tail(run)
+        assert "the workers failed with exit code 26 (STORAGE_FULL)" in run.output
+        assert {e.restart_count for e in run.events(EventKind.ATTEMPT_STARTED)} == {0}  # one attempt, no restart
+        assert run.events(EventKind.EXIT)[-1].exit_code == 26  # the launcher's exit event says the same
+        _nothing_lost(ckpt, 3)
+
+        (ckpt / FILL_FILE).unlink()  # space freed: the next job resumes
+        _resumes_exactly(reference_tp1, ckpt, ft_launcher(ckpt, FT, max_restarts=3), 3)
+        record("disk full during a global save under ft_launcher (--max-restarts=3)", run, Mechanism.STORAGE_FULL,
+               resumed="from 3, bit-exact; not restarted into the full disk")  # fmt: skip
 
 
 @pytest.mark.timeout(300)

@@ -10,6 +10,7 @@ import pytest
 from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import fault_tolerance
+from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.utils.overrides import apply_overrides
 
@@ -49,6 +50,9 @@ class FakeRankMonitorClient:
 
     def shutdown_workload_monitoring(self):
         self.calls.append("shutdown")
+
+    def send_workload_control_request(self, request):
+        self.calls.append(f"request {request.action.name}: {request.description}")
 
 
 @pytest.fixture
@@ -195,3 +199,31 @@ def test_under_inprocess_restart_the_heartbeat_timeout_stays_above_its_hard_time
     fault_tolerance.setup(cfg, state)
     hb = state.rank_monitor_client.hb_timeouts
     assert (hb.initial, hb.subsequent) == (600.0, cfg.inprocess_restart.hard_timeout)
+
+
+@pytest.mark.parametrize(
+    ("code", "rank", "flagged", "asked"),
+    [
+        (ExitCode.FINISHED, 0, True, False),
+        (ExitCode.FINISHED, 1, False, False),  # rank 0 says the job is done
+        (ExitCode.STORAGE_FULL, 1, True, True),  # any rank that ends with a stop code: a restart meets the same disk
+        (ExitCode.RERUN_FAILED_VALIDATION, 0, True, True),
+        (ExitCode.CONFIG_ERROR, 1, True, True),
+        (ExitCode.PREEMPTED, 0, False, False),  # requeue and resume
+        (ExitCode.UNEXPECTED_ERROR, 0, False, False),  # restart
+    ],
+)
+def test_a_finished_run_or_a_stop_code_is_not_restarted_or_requeued(
+    tmp_path, fake_client, monkeypatch, code, rank, flagged, asked
+):
+    flag = tmp_path / "finished.flag"
+    monkeypatch.setenv("FAULT_TOL_FINISHED_FLAG_FILE", str(flag))
+    monkeypatch.setenv("RANK", str(rank))
+    cfg, state = _state(tmp_path, "ft.enable_ft_package=true")
+    fault_tolerance.setup(cfg, state)
+    state.fault_tolerance.on_train_end(code)
+    assert flag.exists() == flagged
+    if flagged:
+        assert flag.read_text() == f"training ended with exit code {int(code)} ({code.name})\n"
+    requests = [c for c in fake_client[0].calls if c.startswith("request")]
+    assert requests == ([f"request ShutdownWorkload: exit code {int(code)} ({code.name})"] if asked else [])

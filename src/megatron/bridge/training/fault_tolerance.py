@@ -36,7 +36,7 @@ from typing import Any, Optional
 from megatron.bridge.training import fault_injection
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import ConfigContainer, FaultToleranceConfig
-from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode
 from megatron.bridge.training.fault_injection import Fault
 from megatron.bridge.utils import upstream
 from megatron.bridge.utils.fs import atomic_write, atomic_write_json
@@ -142,14 +142,16 @@ class FaultTolerance:
 
         nemo_run's fault-tolerant Slurm script requeues the job after every run unless the file named by
         ``$FAULT_TOL_FINISHED_FLAG_FILE`` exists; ft_launcher restarts failed workers unless a rank asked it to
-        shut the workload down.
+        shut the workload down. Neither is wanted when training finished (rank 0 writes the file) or when any rank
+        ends with a code whose action is *stop* (:data:`STOP_CODES`: a restart would meet the same full disk, bad
+        config or reproducible NaN; that rank writes the file and asks ft_launcher not to restart).
         """
-        terminal = code in (ExitCode.FINISHED, ExitCode.RERUN_FAILED_VALIDATION)
+        stop = code in STOP_CODES
         flag = os.environ.get("FAULT_TOL_FINISHED_FLAG_FILE")
-        if terminal and flag and self.rank == 0:
+        if flag and (stop or (code == ExitCode.FINISHED and self.rank == 0)):
             atomic_write(flag, f"training ended with exit code {int(code)} ({code.name})\n")
             logger.info("[FaultTolerance] wrote %s: the job will not be requeued", flag)
-        if code == ExitCode.RERUN_FAILED_VALIDATION and self._client is not None and not self._monitor_lost:
+        if stop and self._client is not None and not self._monitor_lost:
             from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction, WorkloadControlRequest
 
             request = WorkloadControlRequest(WorkloadAction.ShutdownWorkload, f"exit code {int(code)} ({code.name})")

@@ -26,7 +26,7 @@ from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetect
 from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.eval import evaluate
 from megatron.bridge.training.event_recorder import EventRecorder
-from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultToleranceCallback
 from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
@@ -299,6 +299,7 @@ def _pretrain(
         signals.unwinding = err  # a preemption signal from now on finds no step boundary: it ends the process
         if checkpoints is not None:
             checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
+        _no_restart_after_a_stop(ft, err)  # before the abort: the peers' failures must not restart the job first
         abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)
         _finish_goodput_unwinding(goodput, err)
         recorder.exited(_exit_code_of(err), f"{type(err).__name__}: {err}"[:500])
@@ -340,6 +341,17 @@ def _exit_code_of(err: BaseException) -> Optional[int]:
     if isinstance(err, SystemExit):
         return err.code if isinstance(err.code, int) else 1
     return None
+
+
+def _no_restart_after_a_stop(ft: fault_tolerance.FaultTolerance, err: BaseException) -> None:
+    """Best effort: an exit whose action is *stop* (a full disk, say) tells the launcher and job script so."""
+    code = _exit_code_of(err)
+    if code not in STOP_CODES:
+        return
+    try:
+        ft.on_train_end(ExitCode(code))
+    except Exception:  # noqa: BLE001 - must not hide the error being raised
+        logger.warning("could not tell the launcher not to restart", exc_info=True)
 
 
 def _finish_goodput_unwinding(goodput: GoodputTracker, err: BaseException) -> None:
