@@ -51,9 +51,12 @@ def test_the_launchers_port_pick_is_replaced_for_the_run(monkeypatch):
 
 def _restored(monkeypatch, key):
     """Put ``key``'s upstream attribute back after the test (``ft_launch.main`` patches it for the process)."""
+    import nvidia_resiliency_ext.fault_tolerance.launcher as launcher
+
     from megatron.bridge.utils import upstream
 
     monkeypatch.setattr(upstream.owner(key), key.rsplit(":", 1)[1].rsplit(".", 1)[-1], upstream.get(key))
+    monkeypatch.setattr(launcher, "run", launcher.run)  # main wraps it too
 
 
 def test_the_workers_code_replaces_ft_launchers_1_a_stop_code_first(capsys):
@@ -63,7 +66,6 @@ def test_the_workers_code_replaces_ft_launchers_1_a_stop_code_first(capsys):
     def failure(code, at):
         return types.SimpleNamespace(exitcode=code, timestamp=at)
 
-    failures.seen({})  # a look at healthy workers changes nothing
     failures.seen({1: failure(1, 1000), 0: failure(26, 1001)})  # rank 1 crashed in the collective rank 0 left
     assert failures.exit_code(1) == 26
     assert "the workers failed with exit code 26 (STORAGE_FULL)" in capsys.readouterr().err
@@ -72,6 +74,10 @@ def test_the_workers_code_replaces_ft_launchers_1_a_stop_code_first(capsys):
     assert failures.exit_code(1) == 128 + 9 and "(killed by a signal)" in capsys.readouterr().err
     failures.seen({0: failure(1, 1000)})
     assert failures.exit_code(1) == 1 and capsys.readouterr().err == ""  # a crash: nothing to say
+    failures.seen({0: failure(42, 1000)})
+    assert failures.exit_code(1) == 42 and "(not one of ours)" in capsys.readouterr().err
+    failures.seen({})  # the restarted workers run healthy: the old failure no longer names the job's end
+    assert failures.exit_code(1) == 1
 
 
 def test_a_launcher_that_ends_after_a_stop_code_exits_with_it(monkeypatch, capsys):

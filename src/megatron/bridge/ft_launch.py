@@ -144,17 +144,22 @@ class WorkerFailures:
         return upstream.patch(launcher_events.MONITOR, monitor)
 
     def seen(self, failures: dict[int, Any]) -> None:
-        """A look at the workers returned ``failures`` (global rank -> failure with ``exitcode`` and ``timestamp``)."""
-        if failures:
-            in_order = sorted(failures.values(), key=lambda failure: failure.timestamp)
-            self.codes = [int(failure.exitcode) for failure in in_order]
+        """A look at the workers returned ``failures`` (global rank -> failure with ``exitcode`` and ``timestamp``).
+
+        Every look replaces what the last one saw: after a restart whose workers run healthy, an old failure must not
+        name a later end of the job (a signal to the launcher, a rendezvous error). ft_launcher's own ends after a
+        failure (restarts used up, a rank asked it to stop) come right after a look that saw it.
+        """
+        in_order = sorted(failures.values(), key=lambda failure: failure.timestamp)
+        self.codes = [int(failure.exitcode) for failure in in_order]
 
     def exit_code(self, launcher_code: int) -> int:
         """The job's exit code: the workers' (:func:`job_exit_code`) where ft_launcher's 1 hides it, else its own."""
         workers = job_exit_code(self.codes) if self.codes else None
         if launcher_code != 1 or workers in (None, 1):
             return launcher_code
-        name = ExitCode(workers).name if workers in {int(c) for c in ExitCode} else "killed by a signal"
+        known = {int(c): c.name for c in ExitCode}
+        name = known.get(workers) or ("killed by a signal" if workers > 128 else "not one of ours")
         print(f"ft_launch: the workers failed with exit code {workers} ({name}); the launcher exits with it, not with "
               "ft_launcher's 1", file=sys.stderr)  # fmt: skip
         return workers

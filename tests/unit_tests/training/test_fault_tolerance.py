@@ -227,3 +227,16 @@ def test_a_finished_run_or_a_stop_code_is_not_restarted_or_requeued(
         assert flag.read_text() == f"training ended with exit code {int(code)} ({code.name})\n"
     requests = [c for c in fake_client[0].calls if c.startswith("request")]
     assert requests == ([f"request ShutdownWorkload: exit code {int(code)} ({code.name})"] if asked else [])
+
+
+def test_a_stop_on_broken_storage_still_asks_the_launcher_and_does_not_raise(tmp_path, fake_client, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("FAULT_TOL_FINISHED_FLAG_FILE", str(blocker / "finished.flag"))  # the write fails (ENOTDIR)
+    monkeypatch.setenv("RANK", "0")
+    cfg, state = _state(tmp_path, "ft.enable_ft_package=true")
+    fault_tolerance.setup(cfg, state)
+    state.fault_tolerance.on_train_end(ExitCode.STORAGE_FULL)
+    assert [c for c in fake_client[0].calls if c.startswith("request")] == [
+        "request ShutdownWorkload: exit code 26 (STORAGE_FULL)"
+    ]

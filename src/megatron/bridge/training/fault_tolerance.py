@@ -147,11 +147,7 @@ class FaultTolerance:
         config or reproducible NaN; that rank writes the file and asks ft_launcher not to restart).
         """
         stop = code in STOP_CODES
-        flag = os.environ.get("FAULT_TOL_FINISHED_FLAG_FILE")
-        if flag and (stop or (code == ExitCode.FINISHED and self.rank == 0)):
-            atomic_write(flag, f"training ended with exit code {int(code)} ({code.name})\n")
-            logger.info("[FaultTolerance] wrote %s: the job will not be requeued", flag)
-        if stop and self._client is not None and not self._monitor_lost:
+        if stop and self._client is not None and not self._monitor_lost:  # first: the flag's write may fail (ENOSPC)
             from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction, WorkloadControlRequest
 
             request = WorkloadControlRequest(WorkloadAction.ShutdownWorkload, f"exit code {int(code)} ({code.name})")
@@ -160,6 +156,13 @@ class FaultTolerance:
                 logger.warning("[FaultTolerance] asked ft_launcher not to restart the workers: %s", request.description)
             except Exception as err:  # no IPC to the launcher (or it is gone): the exit code still says stop
                 logger.warning("[FaultTolerance] could not ask the launcher to stop: %s", err)
+        flag = os.environ.get("FAULT_TOL_FINISHED_FLAG_FILE")
+        if flag and (stop or (code == ExitCode.FINISHED and self.rank == 0)):
+            try:
+                atomic_write(flag, f"training ended with exit code {int(code)} ({code.name})\n")
+                logger.info("[FaultTolerance] wrote %s: the job will not be requeued", flag)
+            except OSError as err:  # on the full or broken storage that is stopping the run, say: the code stands
+                logger.error("[FaultTolerance] could not write %s (%s): the job script may requeue the job", flag, err)
 
     def section_timeout(self, section: str) -> Optional[float]:
         """Seconds the rank monitor lets ``section`` stay open before it kills the rank (``None``: no timeout)."""
