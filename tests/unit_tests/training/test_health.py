@@ -252,3 +252,26 @@ def test_failed_device_check_stops_with_25_naming_it(monkeypatch, failing):
     assert err.value.exit_code == ExitCode.DEVICE_UNHEALTHY
     expected = {"cuda": "CUDA context", "gpu": "GPU (NVML recovery action)", "nvlink": "NVLink"}[failing]
     assert f"device health check '{expected}' failed on cuda:0" in err.value.reason
+
+
+def test_a_timed_out_ping_waits_briefly_for_a_stuck_rank_stack(monkeypatch):
+    # A stuck rank dumps half the ping timeout past its last step's length into its step: after a slow step, later
+    # than the survivor's timeout. Its stack is named once it appears; a dead rank's (closed connection) is not awaited.
+    world = _OneRank(monkeypatch, 2)
+    world.store.set("mbridge_liveness/0.0/rank0", "6")
+    world.store.set("mbridge_liveness/0.0/rank1", "4")
+    dumped_at = time.monotonic() + 0.5
+    where = {1: "rank 1 in stall_forever (f.py:1)"}
+    late = lambda rank: where.get(rank) if time.monotonic() >= dumped_at else None  # noqa: E731
+    start = time.monotonic()
+    timed_out = _ping(world.store, late, timeout=0.1)._diagnose(6, start, 0.1, RuntimeError("Timed out"))
+    assert "rank 1 (last ping at iteration 4; stack: rank 1 in stall_forever (f.py:1))" in timed_out, timed_out
+    assert time.monotonic() - start < 0.5 + 1.0  # it stops waiting once the stack is there
+
+    world.store.set("mbridge_liveness/0.0/rank0", "7")
+    dumped_at = time.monotonic() + 0.5
+    start = time.monotonic()
+    # The next ping (a fresh search) fails on a closed connection after 0.01 s.
+    closed = _ping(world.store, late, timeout=0.1)._diagnose(7, start, 0.01, RuntimeError("Connection closed by peer"))
+    assert "rank 1 (last ping at iteration 4) did not answer" in closed, closed
+    assert time.monotonic() - start < 0.5

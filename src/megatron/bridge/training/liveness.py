@@ -5,8 +5,10 @@ rendezvous store (``mbridge_liveness/<attempt>/rank<N>``) and joins a one-elemen
 created with ``timeout=health.liveness_ping_timeout`` (gloo on NCCL runs too: a CPU tensor, no device sync). A peer
 that died closes its connections and the all-reduce fails at once; a peer that never arrives makes it time out. The
 first rank to notice waits, at most until the timeout, for the others to record this ping, then names every rank
-whose record is older, with its last stack when hang attribution wrote one (and writes a ``fault_detected`` event,
-mechanism ``liveness_ping``, for each); the other survivors wait for that verdict and every survivor exits
+whose record is older, with its last stack when hang attribution wrote one, and writes a ``fault_detected`` event
+(mechanism ``liveness_ping``) for each. When the ping timed out, the missing ranks are alive and stuck and their dumps
+may still be coming: the searching rank waits up to :data:`STACK_GRACE_S` more for them (not when a connection
+closed: a dead rank dumps nothing). The other survivors wait for that verdict and every survivor exits
 :attr:`ExitCode.PEER_UNRESPONSIVE` (24) with it.
 
 Cost per ping: one store write and one 4-byte gloo all-reduce per rank. A rank that hangs inside a step's own
@@ -35,6 +37,10 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.2
 VERDICT_GRACE_S = 5.0
 """How much longer than the searching rank's deadline the other survivors wait for its verdict."""
+STACK_GRACE_S = 2.0
+"""How long past a timed-out ping the searching rank waits for a stuck rank's stack dump (a stuck rank dumps half the
+ping timeout past its last step's length into its step, which a slow step can put past the timeout). Below
+:data:`VERDICT_GRACE_S`, so the other survivors still get the verdict."""
 
 
 class LivenessPing:
@@ -100,7 +106,8 @@ class LivenessPing:
                 self._store.wait([verdict], datetime.timedelta(seconds=max(remaining, VERDICT_GRACE_S)))
                 return self._store.get(verdict).decode()
             missing = self._missing(iteration, start + self.timeout)
-            message = self._describe(iteration, waited, first_line, missing)
+            stacks = self._stacks(missing, STACK_GRACE_S if waited >= self.timeout * 0.9 else 0.0)
+            message = self._describe(iteration, waited, first_line, missing, stacks)
             for lost in missing or [None]:  # the searching rank speaks for every survivor: one event per lost rank
                 event_stream.emit(
                     EventKind.FAULT_DETECTED, mechanism=Mechanism.LIVENESS_PING, rank=lost, iteration=iteration,
@@ -115,7 +122,14 @@ class LivenessPing:
                 "searched, may be among them"
             )
 
-    def _describe(self, iteration: int, waited: float, first_line: str, missing: dict[int, Optional[int]]) -> str:
+    def _describe(
+        self,
+        iteration: int,
+        waited: float,
+        first_line: str,
+        missing: dict[int, Optional[int]],
+        stacks: dict[int, Optional[str]],
+    ) -> str:
         if not missing:
             return (
                 f"liveness ping at iteration {iteration} failed after {waited:.1f} s ({first_line}), although every "
@@ -124,13 +138,26 @@ class LivenessPing:
         described = []
         for rank, last in missing.items():
             seen = f"last ping at iteration {last}" if last is not None else "no ping recorded"
-            where = self._where_is(rank)
+            where = stacks.get(rank)
             described.append(f"rank {rank} ({seen}{'; stack: ' + where if where else ''})")
         return (
             f"liveness ping at iteration {iteration}: {', '.join(described)} did not answer within "
             f"health.liveness_ping_timeout={self.timeout} s (dead or stuck; noticed after {waited:.1f} s: "
             f"{first_line})"
         )
+
+    def _stacks(self, missing: dict[int, Optional[int]], grace: float) -> dict[int, Optional[str]]:
+        """Where each missing rank was stuck; waits up to ``grace`` seconds for the dumps of ranks that pinged before.
+
+        A rank with no record never reached this attempt's loop: no dump of it is coming.
+        """
+        deadline = time.monotonic() + grace
+        while True:
+            stacks = {rank: self._where_is(rank) for rank in missing}
+            pending = [rank for rank, last in missing.items() if last is not None and stacks[rank] is None]
+            if not pending or time.monotonic() >= deadline:
+                return stacks
+            time.sleep(_POLL_S)
 
     def _missing(self, iteration: int, deadline: float) -> dict[int, Optional[int]]:
         """Ranks whose record is older than ``iteration`` at ``deadline`` (polling; late ranks may still arrive)."""
