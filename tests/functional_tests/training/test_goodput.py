@@ -9,15 +9,15 @@ import torch
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail
 
+from megatron.bridge.training.event_stream import EventKind
 from megatron.bridge.training.goodput import CAUSES, GoodputTracker
 
 _LINE_RE = re.compile(
     r"\[rank0\].* goodput: (\d\.\d{3}) \(productive ([\d.]+) s of ([\d.]+) s wall\) \| lost: (.*)$", re.M
 )
 _STEP_RE = re.compile(r"\[rank0\].* iteration (\d+)/\d+ \|.*\| step time ([\d.]+) s$", re.M)
-LAUNCH_SLACK_S = 30.0
-"""What the workers cannot see of the launcher's wall time: its own start-up before the first worker (~6 s here),
-and after the summary the worker's exit and the launcher noticing it (~7 s here); more on a busy machine."""
+SUMMARY_TO_EXIT_S = 5.0
+"""What lies between the final summary and rank 0's exit event: writing summary.json (milliseconds here)."""
 
 
 def test_goodput_of_a_job_with_a_killed_rank(reference_tp1, tmp_path):
@@ -37,10 +37,15 @@ def test_goodput_of_a_job_with_a_killed_rank(reference_tp1, tmp_path):
     assert set(lost) == {*CAUSES, "other"}
     assert summary["productive_s"] + sum(lost.values()) == pytest.approx(summary["wall_s"], abs=1e-6)
     assert summary["goodput"] == pytest.approx(summary["productive_s"] / summary["wall_s"])
-    # The job starts with its first worker (no MBRIDGE_JOB_START_TIME here), after the launch; it ends before the
-    # launcher does.
-    assert launched < summary["job_start"] and summary["job_start"] + summary["wall_s"] < launched + launcher_wall
-    assert summary["wall_s"] >= launcher_wall - LAUNCH_SLACK_S, (launcher_wall, summary)
+    # The job starts with its first worker's process (no MBRIDGE_JOB_START_TIME here), after the launch, and spans
+    # every attempt up to rank 0's final exit, before the launcher's. What the workers cannot see of the launcher's
+    # wall time (its start-up, noticing the exits) follows the machine's load and is not bounded here.
+    first = next(e for e in run.events(EventKind.ATTEMPT_STARTED) if e.rank == 0)
+    final = [e for e in run.events(EventKind.EXIT) if e.rank == 0][-1]
+    ended = summary["job_start"] + summary["wall_s"]
+    assert summary["job_start"] == pytest.approx(min(first.process_start, first.attempt_start), abs=1e-3), first
+    assert launched < summary["job_start"] and ended < launched + launcher_wall
+    assert 0 <= final.time - ended < SUMMARY_TO_EXIT_S, (final, summary)
 
     # Productive: the step times of the steps the final model contains (a step re-done after the restart counts
     # once, as the second attempt logged it; the first attempt's step 7 is rollback).
