@@ -187,6 +187,10 @@ CHECKS: dict[str, tuple[str, ...]] = {
         "ft_launch: the workers failed with exit code 137 (killed by a signal); the launcher exits with it, not with "
         "ft_launcher's 1",
     ),
+    f"{_TRAINING}/test_fault_tolerance.py::test_a_config_error_under_ft_launcher_is_not_restarted": (
+        "ft_launch: a worker exited with exit code 2 (CONFIG_ERROR), whose action is stop: the worker group is not "
+        "restarted",
+    ),
     f"{_TRAINING}/test_fault_tolerance_example.py::test_timeouts_come_from_the_launcher_then_are_learned": (
         "[FaultTolerance] section timeouts (from the launcher): setup=180.0s, step=10.0s, checkpointing=120.0s, "
         "out-of-section=60.0s",

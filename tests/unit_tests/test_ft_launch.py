@@ -94,10 +94,30 @@ def test_a_launcher_that_ends_after_a_stop_code_exits_with_it(monkeypatch, capsy
     monkeypatch.setattr(upstream.owner(MONITOR), "_monitor_workers", lambda agent, group: types.SimpleNamespace(
         failures=failed))  # fmt: skip
 
-    def upstream_main(args):  # the agent saw rank 0 fail with 17; its restart found the rendezvous closed: exit 1
-        upstream.get(MONITOR)(None, None)
+    agent = types.SimpleNamespace(_remaining_restarts=3)
+
+    def upstream_main(args):  # the agent saw rank 0 fail with 17; with no restart left it stops: exit 1
+        upstream.get(MONITOR)(agent, None)
         sys.exit(1)
 
     monkeypatch.setattr(launcher, "main", upstream_main)
     assert ft_launch.main(["--nproc-per-node=2", "train.py"]) == 17
-    assert "the workers failed with exit code 17 (RERUN_FAILED_VALIDATION)" in capsys.readouterr().err
+    assert upstream.agent_restarts_left(agent) == 0, "a stop code is not restarted, though restarts were left"
+    err = capsys.readouterr().err
+    assert "a worker exited with exit code 17 (RERUN_FAILED_VALIDATION), whose action is stop" in err
+    assert "the workers failed with exit code 17 (RERUN_FAILED_VALIDATION)" in err
+
+
+@pytest.mark.parametrize("code,left", [(1, 3), (-9, 3), (2, 0), (26, 0)])
+def test_only_a_stop_code_takes_the_agents_restarts_away(monkeypatch, code, left):
+    from megatron.bridge.launcher_events import MONITOR
+    from megatron.bridge.utils import upstream
+
+    _restored(monkeypatch, MONITOR)
+    failed = {1: types.SimpleNamespace(exitcode=code, timestamp=1000)}
+    monkeypatch.setattr(upstream.owner(MONITOR), "_monitor_workers", lambda agent, group: types.SimpleNamespace(
+        failures=failed))  # fmt: skip
+    assert ft_launch.WorkerFailures().install()
+    agent = types.SimpleNamespace(_remaining_restarts=3)
+    upstream.get(MONITOR)(agent, None)
+    assert upstream.agent_restarts_left(agent) == left

@@ -11,7 +11,9 @@ the kernel never hands out by itself (outside ``/proc/sys/net/ipv4/ip_local_port
 Only an explicit bind of the same number in the same seconds can still collide. Where the range cannot be read, the
 launcher's own choice stands. When ft_launcher ends after its workers failed (restarts used up, or a rank asked it
 not to restart), it exits 1 whatever their codes; this launcher exits with theirs instead (:class:`WorkerFailures`),
-chosen as ``megatron.bridge.launch`` does.
+chosen as ``megatron.bridge.launch`` does. A worker that exits with a code whose action is *stop* (a config error, a
+full disk: ``exit_codes.STOP_CODES``) is not restarted, even when it failed before it could ask the rank monitor not
+to restart it (a config error found at start-up): the restarts left are dropped and the launcher exits with its code.
 
 ``--event-dir DIR`` (ours, removed before ft_launcher parses the rest) writes the launcher's side of the event
 stream into ``DIR`` (``launcher_events.py``: worker exits, in-job restarts and their phases, rank-monitor timeouts)
@@ -39,7 +41,7 @@ from typing import Any, Optional
 
 from megatron.bridge import launcher_events, standby
 from megatron.bridge.training.event_stream import EventKind, EventWriter, Process, launcher_file
-from megatron.bridge.training.exit_codes import ExitCode, job_exit_code
+from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, job_exit_code
 from megatron.bridge.utils import rendezvous_port, upstream
 from megatron.bridge.utils.process_start import process_start_time
 from megatron.bridge.utils.rendezvous_port import StorePort
@@ -122,7 +124,8 @@ class WorkerFailures:
 
     ft_launcher exits 1 whatever its workers' codes were, both when its restarts are used up and when a rank asked it
     not to restart (a stop code: its rendezvous is closed, and the agent ends on that). The agent's worker monitor
-    (a private upstream method, through ``utils/upstream.py``) is wrapped to keep the last failures it returned.
+    (a private upstream method, through ``utils/upstream.py``) is wrapped to keep the last failures it returned; when
+    they hold a stop code, the agent's restarts left are dropped so that it stops instead of restarting.
     """
 
     def __init__(self) -> None:
@@ -139,6 +142,11 @@ class WorkerFailures:
         def monitor(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(agent, worker_group, *args, **kwargs)
             self.seen(getattr(result, "failures", None) or {})
+            stop = self.stop_code()
+            if stop is not None and upstream.agent_restarts_left(agent) > 0:
+                print(f"ft_launch: a worker exited with exit code {stop} ({ExitCode(stop).name}), whose action is "
+                      "stop: the worker group is not restarted", file=sys.stderr)  # fmt: skip
+                upstream.drop_agent_restarts(agent)
             return result
 
         return upstream.patch(launcher_events.MONITOR, monitor)
@@ -152,6 +160,11 @@ class WorkerFailures:
         """
         in_order = sorted(failures.values(), key=lambda failure: failure.timestamp)
         self.codes = [int(failure.exitcode) for failure in in_order]
+
+    def stop_code(self) -> Optional[int]:
+        """The job's exit code when the last look saw a failure whose action is *stop* (else ``None``)."""
+        code = job_exit_code(self.codes) if self.codes else None
+        return code if code in STOP_CODES else None
 
     def exit_code(self, launcher_code: int) -> int:
         """The job's exit code: the workers' (:func:`job_exit_code`) where ft_launcher's 1 hides it, else its own."""

@@ -114,3 +114,15 @@ def test_ft_under_torchrun_fails_fast_with_instructions(tmp_path):
     assert run.exit_code == 2, tail(run)
     assert "ft.enable_ft_package: no rank monitor to report to" in run.output
     assert "launch with ft_launcher" in run.output
+
+
+def test_a_config_error_under_ft_launcher_is_not_restarted(tmp_path):
+    # The config is refused before the ranks reach the rank monitor, so they cannot ask ft_launcher not to restart
+    # them: the launcher sees their exit code (2, CONFIG_ERROR, whose action is stop) and does not restart them.
+    run = ft_launcher(tmp_path / "ckpt", FT, "health.liveness_ping_interval=-1", max_restarts=3)
+    assert run.exit_code == 2, tail(run)
+    assert "health.liveness_ping_interval: must be >= 0, got -1" in run.output, tail(run)
+    assert "a worker exited with exit code 2 (CONFIG_ERROR), whose action is stop" in run.output, tail(run)
+    assert "will restart worker group" not in run.output and not run.events(EventKind.RESTART_BEGUN)
+    assert run.events(EventKind.EXIT)[-1].exit_code == 2  # the launcher's exit event says the same
+    assert_doc_log_lines(run.output)

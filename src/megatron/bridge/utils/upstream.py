@@ -259,7 +259,11 @@ SYMBOLS: tuple[Symbol, ...] = (
             ("_initialize_workers", "when the new workers run"),
         )
     ),
-    Symbol(f"{_FT_AGENT}._remaining_restarts", "state", "launcher_events.py: the in-job restart count"),
+    Symbol(
+        f"{_FT_AGENT}._remaining_restarts",
+        "state",
+        "launcher_events.py: the in-job restart count; ft_launch.py: no restart after a worker's stop code",
+    ),
     Symbol(
         f"{_RANK_MONITOR}._handle_timeout",
         "patch",
@@ -494,6 +498,16 @@ def worker_output_files(handler: Any) -> tuple[Optional[str], Optional[str]]:
 def agent_restart_count(agent: Any) -> int:
     """In-job restarts an ft_launcher agent has started so far (its restarts left are counted down)."""
     return int(agent.get_worker_group().spec.max_restarts) - int(agent._remaining_restarts)
+
+
+def agent_restarts_left(agent: Any) -> int:
+    """In-job restarts an ft_launcher agent may still start."""
+    return int(agent._remaining_restarts)
+
+
+def drop_agent_restarts(agent: Any) -> None:
+    """Leave an ft_launcher agent no restart: at its next failed look it stops its workers and ends."""
+    agent._remaining_restarts = 0
 
 
 def set_rerun_state_machine(machine: Any) -> None:
