@@ -128,12 +128,14 @@ def _pretrain(
     hang_watch = HangWatch(
         attribution_dir, attempt, rank, lambda section: _stack_dump_delay(cfg, ft, hang_watch, section)
     )
-    liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is)
+    liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is if attribution_dir is not None else None)
     # Goodput: an in-process restart iteration is an attempt of its own, from now; the first, from the process start.
-    attempt_start = started_at if restart is not None and restart.iteration > 0 else process_start_time()
-    goodput = GoodputTracker(_job_id(), attempt, attempt_start, cfg.checkpoint.save, rank)
+    # One reading of the process start for both (each reading moves with /proc/uptime's 10 ms resolution).
+    process_start = process_start_time()
+    attempt_start = started_at if restart is not None and restart.iteration > 0 else process_start
+    goodput = GoodputTracker(_job_id(), attempt, attempt_start, cfg.checkpoint.save, rank, process_start=process_start)
     recorder.attempt_started(
-        process_start=process_start_time(), attempt_start=attempt_start, attempt=attempt, job_id=_job_id()
+        process_start=process_start, attempt_start=attempt_start, attempt=attempt, job_id=_job_id()
     )
     hang_watch.open("setup")
     checkpoints = metrics = ctx = None
