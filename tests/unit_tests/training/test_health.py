@@ -275,3 +275,14 @@ def test_a_timed_out_ping_waits_briefly_for_a_stuck_rank_stack(monkeypatch):
     closed = _ping(world.store, late, timeout=0.1)._diagnose(7, start, 0.01, RuntimeError("Connection closed by peer"))
     assert "rank 1 (last ping at iteration 4) did not answer" in closed, closed
     assert time.monotonic() - start < 0.5
+
+
+def test_without_hang_attribution_no_stack_is_waited_for(monkeypatch):
+    world = _OneRank(monkeypatch, 2)
+    world.store.set("mbridge_liveness/0.0/rank0", "6")
+    world.store.set("mbridge_liveness/0.0/rank1", "4")
+    ping = LivenessPing(HealthConfig(liveness_ping_interval=2, liveness_ping_timeout=0.1), "0.0", None)
+    ping._store = world.store
+    start = time.monotonic()
+    message = ping._diagnose(6, start, 0.1, RuntimeError("Timed out"))
+    assert "rank 1 (last ping at iteration 4) did not answer" in message and time.monotonic() - start < 1.0

@@ -35,12 +35,12 @@ from megatron.bridge.utils import upstream
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
-VERDICT_GRACE_S = 5.0
-"""How much longer than the searching rank's deadline the other survivors wait for its verdict."""
 STACK_GRACE_S = 2.0
 """How long past a timed-out ping the searching rank waits for a stuck rank's stack dump (a stuck rank dumps half the
-ping timeout past its last step's length into its step, which a slow step can put past the timeout). Below
-:data:`VERDICT_GRACE_S`, so the other survivors still get the verdict."""
+ping timeout past its last step's length into its step, which a slow step can put past the timeout)."""
+VERDICT_GRACE_S = 5.0 + STACK_GRACE_S
+"""How much longer than the searching rank's deadline the other survivors wait for its verdict: 5 s past its stack
+wait, for survivors whose pings started apart."""
 
 
 class LivenessPing:
@@ -49,10 +49,11 @@ class LivenessPing:
     Args:
         cfg: the health section.
         attempt: a name unique to this start (records of an earlier attempt in the same store must not count).
-        where_is: ``rank -> one line`` saying where a rank was stuck, if known (hang attribution's summary).
+        where_is: ``rank -> one line`` saying where a rank was stuck, if known (hang attribution's summary); ``None``
+            when hang attribution is off (no stack is waited for).
     """
 
-    def __init__(self, cfg: HealthConfig, attempt: str, where_is: Callable[[int], Optional[str]]) -> None:
+    def __init__(self, cfg: HealthConfig, attempt: str, where_is: Optional[Callable[[int], Optional[str]]]) -> None:
         self.interval = cfg.liveness_ping_interval
         self.timeout = cfg.liveness_ping_timeout
         self._prefix = f"mbridge_liveness/{attempt}"
@@ -151,6 +152,8 @@ class LivenessPing:
 
         A rank with no record never reached this attempt's loop: no dump of it is coming.
         """
+        if self._where_is is None:
+            return {}
         deadline = time.monotonic() + grace
         while True:
             stacks = {rank: self._where_is(rank) for rank in missing}
