@@ -119,5 +119,9 @@ def test_only_a_stop_code_takes_the_agents_restarts_away(monkeypatch, code, left
         failures=failed))  # fmt: skip
     assert ft_launch.WorkerFailures().install()
     agent = types.SimpleNamespace(_remaining_restarts=3)
-    upstream.get(MONITOR)(agent, None)
+    closed = []
+    group = types.SimpleNamespace(spec=types.SimpleNamespace(rdzv_handler=types.SimpleNamespace(
+        set_closed=lambda: closed.append(True))))  # fmt: skip
+    upstream.get(MONITOR)(agent, group)
     assert upstream.agent_restarts_left(agent) == left
+    assert closed == ([True] if left == 0 else []), "a stop closes the rendezvous: no node starts another round"

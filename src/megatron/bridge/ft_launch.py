@@ -147,6 +147,7 @@ class WorkerFailures:
                 print(f"ft_launch: a worker exited with exit code {stop} ({ExitCode(stop).name}), whose action is "
                       "stop: the worker group is not restarted", file=sys.stderr)  # fmt: skip
                 upstream.drop_agent_restarts(agent)
+                _close_rendezvous(worker_group)
             return result
 
         return upstream.patch(launcher_events.MONITOR, monitor)
@@ -176,6 +177,21 @@ class WorkerFailures:
         print(f"ft_launch: the workers failed with exit code {workers} ({name}); the launcher exits with it, not with "
               "ft_launcher's 1", file=sys.stderr)  # fmt: skip
         return workers
+
+
+def _close_rendezvous(worker_group: Any) -> None:
+    """Close the job's rendezvous, as a rank's request not to restart does: no node's agent starts another round.
+
+    With ``--ft-restart-policy=min-healthy`` the agent recounts its restarts from the rendezvous round, so this is
+    what stops it there; other nodes' agents stop at their next rendezvous either way.
+    """
+    handler = getattr(getattr(worker_group, "spec", None), "rdzv_handler", None)
+    if handler is None:
+        return
+    try:
+        handler.set_closed()
+    except Exception as err:  # noqa: BLE001 - the store may be gone with its host; the dropped restarts still hold
+        print(f"ft_launch: could not close the rendezvous ({type(err).__name__}: {err})", file=sys.stderr)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
