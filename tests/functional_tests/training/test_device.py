@@ -14,7 +14,9 @@ def test_cuda_on_a_node_without_a_gpu_exits_25_and_trains_nothing(tmp_path):
     run = torchrun(ckpt, "dist.device=cuda", timeout=120)
     assert run.exit_code == 25, tail(run)
     stops = [line for line in run.output.splitlines() if "training stopped: DEVICE_UNHEALTHY (exit code 25)" in line]
-    assert {line.split("]")[0].split("[")[-1] for line in stops} == {"rank0", "rank1"}, tail(run)
+    # Each rank checks on its own; torchrun stops the other rank at the first exit, which may come before the slower
+    # rank reaches its check.
+    assert stops and {line.split("]")[0].split("[")[-1] for line in stops} <= {"rank0", "rank1"}, tail(run)
     assert "dist.device=cuda but this node has no GPU" in stops[0], stops[0]
     assert "Fix: run this job on GPU nodes" in stops[0] and "set dist.device=cpu" in stops[0], stops[0]
     assert not run.losses(), "nothing may train"
