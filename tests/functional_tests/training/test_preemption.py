@@ -49,7 +49,8 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(reference_tp1, tmp
     assert "[rank1] WARNING megatron.bridge.training.utils.sig_utils: Received signal 15, initiating graceful stop" in (
         run.output
     )
-    assert "[rank0] WARNING megatron.bridge.training.utils.sig_utils: Received signal" not in run.output
+    # Rank 0 learned of the signal from rank 1 at step 5 (its own handler may still log torchrun's SIGTERM, sent to it
+    # when rank 1 exits first, so the log cannot tell).
     stops = {e.rank: (e.iteration, e.detail) for e in run.detected(Mechanism.PREEMPTION_SIGNAL)}
     assert stops == {0: (5, "received by another rank"), 1: (5, "received here")}, stops
     _stopped_at(run, 5)  # the signal arrived at the start of step 5: both finish it, save, exit
