@@ -13,7 +13,8 @@ launcher's own choice stands. When ft_launcher ends after its workers failed (re
 not to restart), it exits 1 whatever their codes; this launcher exits with theirs instead (:class:`WorkerFailures`),
 chosen as ``megatron.bridge.launch`` does. A worker that exits with a code whose action is *stop* (a config error, a
 full disk: ``exit_codes.STOP_CODES``) is not restarted, even when it failed before it could ask the rank monitor not
-to restart it (a config error found at start-up): the restarts left are dropped and the launcher exits with its code.
+to restart it (a config error found at start-up): the restarts left are dropped, the rendezvous is closed, and the
+launcher exits with its code.
 
 ``--event-dir DIR`` (ours, removed before ft_launcher parses the rest) writes the launcher's side of the event
 stream into ``DIR`` (``launcher_events.py``: worker exits, in-job restarts and their phases, rank-monitor timeouts)
@@ -125,7 +126,8 @@ class WorkerFailures:
     ft_launcher exits 1 whatever its workers' codes were, both when its restarts are used up and when a rank asked it
     not to restart (a stop code: its rendezvous is closed, and the agent ends on that). The agent's worker monitor
     (a private upstream method, through ``utils/upstream.py``) is wrapped to keep the last failures it returned; when
-    they hold a stop code, the agent's restarts left are dropped so that it stops instead of restarting.
+    they hold a stop code, the agent's restarts left are dropped and the rendezvous closed, so that it stops instead of
+    restarting.
     """
 
     def __init__(self) -> None:
