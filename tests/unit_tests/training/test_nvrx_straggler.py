@@ -128,6 +128,16 @@ def test_stop_waits_for_the_same_rank_flagged_in_consecutive_reports(caplog):
     assert _stops(_manager(stop_after_consecutive_reports=2), [rank1_slow] * 3) == [None] * 3  # no stop_if_detected
 
 
+def test_reports_go_to_the_configured_logger(caplog):
+    rank1_slow = {0: 1.0, 1: 0.1}
+    with caplog.at_level("INFO"):
+        _stops(_manager(logger_name="my.job.stragglers", stop_if_detected=True), [rank1_slow])
+    by_logger = {(r.name, r.levelname) for r in caplog.records}
+    assert ("my.job.stragglers", "INFO") in by_logger, "the report"
+    assert ("my.job.stragglers", "WARNING") in by_logger, "the flagged rank"
+    assert {name for name, _ in by_logger} == {"my.job.stragglers"}, by_logger
+
+
 def test_disabled_manager_changes_nothing():
     manager = NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig())
     manager.initialize()

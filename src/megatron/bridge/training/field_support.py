@@ -102,6 +102,12 @@ INERT: dict[str, str] = {
             "sp_tokenizer_kwargs",
         )
     },
+    "dataset.drop_last": "batches never run short: every split is built with a sample for each step the run takes",
+    "dataset.trust_remote_code": "read only by HuggingFace datasets, and none is built here",
+    **{
+        f"dataset.{name}": "megatron-core declares it, but none of its dataset code reads it"
+        for name in ("data_parallel_size", "sequence_parallel_size", "context_parallel_size")
+    },
     "straggler.enable_straggler_on_startup": "read only by the legacy detector, which is refused",
     "straggler.straggler_ctrlr_port": "read only by the legacy detector, which is refused",
     "straggler.straggler_minmax_count": "read only by the legacy detector, which is refused",

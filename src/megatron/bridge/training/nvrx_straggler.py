@@ -45,8 +45,6 @@ from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.utils.dist import broadcast_from_rank0
 from megatron.bridge.utils.optional_imports import straggler_package
 
-logger = logging.getLogger(__name__)
-
 STEP_SECTION = "train_step"
 """Detection section around the whole training step; its CUDA kernels give the GPU scores."""
 FORWARD_SECTION = "forward_step"
@@ -154,6 +152,8 @@ class NVRxStragglerDetectionManager:
     def __init__(self, config: NVRxStragglerDetectionConfig) -> None:
         self.config = config
         self.enabled = config.enabled
+        self.log = logging.getLogger(config.logger_name)
+        """Where the reports, flagged ranks and stop decisions go (``nvrx_straggler.logger_name``)."""
         self._detector: Any = None
         self._checks = 0
         self._streaks: dict[int, int] = {}
@@ -179,7 +179,7 @@ class NVRxStragglerDetectionManager:
             node_name=socket.gethostname(),
         )
         self._detector = detector
-        logger.info(
+        self.log.info(
             "NVRx straggler detection on: report every %.1f s, thresholds relative %s / individual %s, "
             "stop_if_detected=%s",
             self.config.report_time_interval,
@@ -252,9 +252,9 @@ class NVRxStragglerDetectionManager:
         if raw is not None:  # rank 0
             report = self._build_report(raw, iteration)
             report.processing_time = time.perf_counter() - start
-            logger.info("%s", report.format(self.config.num_gpu_perf_scores_to_print))
+            self.log.info("%s", report.format(self.config.num_gpu_perf_scores_to_print))
             for line in report.flagged():
-                logger.warning("Straggler detected: %s", line)
+                self.log.warning("Straggler detected: %s", line)
             _emit_report(report)
             if self.config.enable_logging:
                 result.scalars = report.scalars()
@@ -269,7 +269,7 @@ class NVRxStragglerDetectionManager:
                         "with nvrx_straggler.stop_if_detected=true"
                     )
                 else:
-                    logger.warning(
+                    self.log.warning(
                         "Not stopping yet: a rank must be flagged in %d reports in a row "
                         "(nvrx_straggler.stop_after_consecutive_reports); flagged so far: %s",
                         needed,

@@ -141,9 +141,20 @@ def render() -> str:
         elif f.name in field_support.REFUSED:
             lines += [f"## `{f.name}`", "", f"Refused unless `None`: {field_support.REFUSED[f.name]}.", ""]
         else:
-            section = f.type if isinstance(f.type, type) else _optional_section(f)
+            section = section_class(f.name)
             lines += _table(f.name, section, "`None` (the default) is off." if section is not f.type else None)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def section_class(name: str) -> type:
+    """The dataclass whose fields the page lists for section ``name`` (``dataset``: ``MockGPTDatasetConfig``)."""
+    from megatron.bridge.data.config import MockGPTDatasetConfig
+    from megatron.bridge.training.config import ConfigContainer
+
+    if name == "dataset":
+        return MockGPTDatasetConfig
+    f = next(f for f in dataclasses.fields(ConfigContainer) if f.name == name)
+    return f.type if isinstance(f.type, type) else _optional_section(f)
 
 
 def _optional_section(f: dataclasses.Field) -> type:
