@@ -1,6 +1,7 @@
 """Real misbehaving file systems for storage drills: a size-limited or read-only tmpfs, and a slow disk.
 
-Each is set up for the test and torn down after it in any case; a test skips where this process may not make it.
+Each is set up for the test and torn down after it in any case. Where this process may not make it, the test skips
+(fails in CI: ``tests/capabilities.py``) with the reason.
 """
 
 import contextlib
@@ -10,20 +11,20 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
+from tests.capabilities import unavailable
 
 
 @contextlib.contextmanager
 def tmpfs(path: Path, options: str):
     """A tmpfs mounted at ``path`` with ``options`` (e.g. ``size=4m``, ``ro``), unmounted afterwards in any case.
 
-    Skips the test where this process may not mount (it needs root with ``CAP_SYS_ADMIN``).
+    Where this process may not mount (it needs root with ``CAP_SYS_ADMIN``): :func:`~tests.capabilities.unavailable`.
     """
     path.mkdir(parents=True, exist_ok=True)
     command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]
     mounted = subprocess.run(command, capture_output=True, text=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+        unavailable(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}")
     try:
         yield path
     finally:
@@ -39,18 +40,18 @@ SLOW_BPS = 200_000
 def slow_disk(tmp_path: Path):
     """A real slow file system: ext4 on a loop device whose writes a blkio cgroup throttles to :data:`SLOW_BPS`.
 
-    Yields (mount point, the cgroup's ``cgroup.procs``, a function lifting the throttle). Skips where loop devices or
-    cgroup v1 blkio throttling are not available to this process.
+    Yields (mount point, the cgroup's ``cgroup.procs``, a function lifting the throttle). Where loop devices or cgroup
+    v1 blkio throttling are not available to this process: :func:`~tests.capabilities.unavailable`.
     """
     blkio = Path("/sys/fs/cgroup/blkio")
     image, mount = tmp_path / "slow.img", tmp_path / "slow"
     if not (blkio / "cgroup.procs").exists() or shutil.which("losetup") is None or shutil.which("mkfs.ext4") is None:
-        pytest.skip("needs cgroup v1 blkio, losetup and mkfs.ext4")
+        unavailable("needs cgroup v1 blkio, losetup and mkfs.ext4")
     with open(image, "wb") as f:
         f.truncate(64 << 20)
     attached = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
     if attached.returncode != 0:
-        pytest.skip(f"cannot attach a loop device: {attached.stderr.strip()}")
+        unavailable(f"cannot attach a loop device: {attached.stderr.strip()}")
     device = attached.stdout.strip()
     cgroup = blkio / f"mbridge-slow-{os.getpid()}-{time.monotonic_ns()}"
     try:

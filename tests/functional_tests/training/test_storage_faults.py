@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.capabilities import unavailable
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.env_report import record
 from tests.functional_tests.harness import (
@@ -268,7 +269,7 @@ def test_missing_or_unreadable_checkpoint_dir_on_resume(reference_tp1, tmp_path)
     record("missing checkpoint.load with exit_on_missing_checkpoint", run, lost="nothing (nothing started)")
 
     if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is needed to make root obey a directory's mode bits")
+        unavailable("setpriv (util-linux) is needed to make root obey a directory's mode bits")
     locked = tmp_path / "locked"
     shutil.copytree(reference_tp1[1], locked, ignore=shutil.ignore_patterns("events"))
     locked.chmod(0)
