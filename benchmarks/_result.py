@@ -17,6 +17,13 @@ benchmark script (run as ``python benchmarks/NAME.py``, so this module is import
 ``met`` is computed from ``target`` when it has the form ``<= X`` or ``>= X``; a target of ``"n/a"`` (no explicit
 target) gives ``met = None``. A ratio that could not be measured is passed as ``None`` and reported as not met when
 there is a target.
+
+A ratio is always against a baseline measured in the same run. Two other kinds of line have no ratio:
+
+- :func:`format_goal`: a figure held to a fixed goal (a number chosen beforehand, not measured), reported in seconds
+  with the goal as its target (``"<= 3 s"``) and ``baseline`` saying that it is a fixed goal;
+- :func:`format_not_tried`: something the benchmark has no result for, with why (``tried`` is false): it could not
+  be tried on this machine, or trying it failed; a report lists it instead of silently having one row fewer.
 """
 
 import json
@@ -26,7 +33,9 @@ from typing import Any
 
 PREFIX = "BENCHMARK_RESULT "
 NO_TARGET = "n/a"
-FIELDS = ("benchmark", "metric", "ratio", "measured", "baseline", "target", "met")
+FIELDS = ("benchmark", "metric", "ratio", "measured", "baseline", "target", "met", "tried")
+FIXED_GOAL = "fixed goal, not measured in this run"
+"""The ``baseline`` of a line held to a fixed goal (:func:`format_goal`)."""
 _LINE = re.compile(r"^" + PREFIX.strip() + r"\s+(.*)$")
 _TARGET = re.compile(r"^\s*(<=|>=|<|>)\s*([-+]?[\d.]+(?:[eE][-+]?\d+)?)\s*$")
 
@@ -66,6 +75,7 @@ def format_result(
     baseline: str,
     target: str = NO_TARGET,
     met: bool | None = None,
+    tried: bool = True,
 ) -> str:
     """One result line: ``PREFIX`` followed by a JSON object with the fields of ``FIELDS``.
 
@@ -77,6 +87,7 @@ def format_result(
         baseline: The baseline it is divided by (or divides), with its unit.
         target: ``"<= X"``, ``">= X"`` or ``"n/a"`` when the script has no explicit target.
         met: Whether the target is met; computed from ``target`` when None.
+        tried: False for something the benchmark could not try (:func:`format_not_tried`).
 
     Returns:
         The line, without a trailing newline.
@@ -91,8 +102,44 @@ def format_result(
         "baseline": baseline,
         "target": target,
         "met": met,
+        "tried": tried,
     }
     return PREFIX + json.dumps(record)
+
+
+def format_goal(benchmark: str, metric: str, seconds: float | None, goal_s: float, note: str = "") -> str:
+    """A line for a time held to a fixed goal: reported in seconds, not as a ratio (the goal is not a measurement).
+
+    Args:
+        benchmark: Name of the benchmark.
+        metric: What was timed, e.g. ``"kill recovery"``.
+        seconds: The time measured, or None when the run did not produce it (then not met).
+        goal_s: The fixed goal in seconds; met when ``seconds <= goal_s``.
+        note: Added to the measured column, e.g. what the time runs from.
+
+    Returns:
+        The line: ratio None, target ``"<= {goal_s} s"``, baseline :data:`FIXED_GOAL`.
+    """
+    shown = "not measured" if seconds is None else f"{seconds:.2f} s"
+    met = seconds is not None and math.isfinite(seconds) and seconds <= goal_s
+    measured = f"{shown} ({note})" if note else shown
+    return format_result(benchmark, f"{metric} (s)", None, measured, FIXED_GOAL, f"<= {goal_s:g} s", met=met)
+
+
+def format_not_tried(benchmark: str, what: str, reason: str) -> str:
+    """A line for something the benchmark has no result for (``tried`` false, not met), with why in ``measured``:
+    it could not be tried here (e.g. ``"skipped: needs root"``), or trying it failed (``"failed: ..."``)."""
+    return format_result(benchmark, what, None, reason, "", NO_TARGET, met=False, tried=False)
+
+
+def emit_goal(*args: Any, **kwargs: Any) -> None:
+    """Print the line of :func:`format_goal` (same arguments), flushed."""
+    print(format_goal(*args, **kwargs), flush=True)
+
+
+def emit_not_tried(*args: Any, **kwargs: Any) -> None:
+    """Print the line of :func:`format_not_tried` (same arguments), flushed."""
+    print(format_not_tried(*args, **kwargs), flush=True)
 
 
 def emit_result(*args: Any, **kwargs: Any) -> None:
@@ -107,8 +154,8 @@ def parse_result(line: str) -> dict[str, Any] | None:
         line: A line of a benchmark's stdout (surrounding whitespace is ignored).
 
     Returns:
-        The record with every field of ``FIELDS`` (missing optional ones filled in), or None when the line does
-        not start with ``PREFIX``.
+        The record with every field of ``FIELDS`` (missing optional ones filled in; ``tried`` defaults to true),
+        or None when the line does not start with ``PREFIX``.
 
     Raises:
         ValueError: The line starts with ``PREFIX`` but its JSON is invalid or lacks ``benchmark`` or ``metric``.
@@ -131,4 +178,6 @@ def parse_result(line: str) -> dict[str, Any] | None:
         record.setdefault(key, "")
     record.setdefault("target", NO_TARGET)
     record.setdefault("met", None)
+    if not isinstance(record.setdefault("tried", True), bool):
+        raise ValueError(f"result line has a non-boolean 'tried': {payload[:200]!r}")
     return {key: record[key] for key in FIELDS}

@@ -4,8 +4,11 @@ Every ``benchmarks/*.py`` script except this one and private modules (``_*.py``)
 the other, as a subprocess of the same Python with its default arguments. Each ends by printing one
 ``BENCHMARK_RESULT {...}`` line per measured ratio (see ``benchmarks/_result.py``); those lines become the rows of
 the table. A script that fails, times out or prints no result line gets a row saying so, and this script then exits
-with status 1. Progress (which script, elapsed seconds) and each script's human-readable output go to stderr; the
-markdown goes to stdout (and to ``--output`` when given). A whole run takes 10-25 minutes on a 2-core CPU machine.
+with status 1. What a benchmark has no result for (a drill that could not set up its fault here, or that failed,
+with why) is a row marked "not tried" and is listed again under the table, so a shorter table never goes
+unexplained. Progress
+(which script, elapsed seconds) and each script's human-readable output go to stderr; the markdown goes to stdout
+(and to ``--output`` when given). A whole run takes 10-25 minutes on a 2-core CPU machine.
 
     python benchmarks/report.py [--only save_blocking,hang_detection] [--output report.md] [--timeout 1800]
     python benchmarks/report.py --list
@@ -130,7 +133,7 @@ def run_script(script: Path, label: str, timeout: float, log: TextIO | None = No
 def failure_row(name: str, reason: str) -> dict[str, Any]:
     """A table row saying that benchmark ``name`` produced no (valid) result, and why."""
     row: dict[str, Any] = dict.fromkeys(FIELDS, "")
-    row.update(benchmark=name, metric=f"FAILED: {reason}", ratio=None, target="", met=False, failed=True)
+    row.update(benchmark=name, metric=f"FAILED: {reason}", ratio=None, target="", met=False, tried=True, failed=True)
     return row
 
 
@@ -182,6 +185,8 @@ def _format_ratio(ratio: float | None) -> str:
 def _format_met(row: dict[str, Any]) -> str:
     if row.get("failed"):
         return "**FAILED**"
+    if not row.get("tried", True):
+        return "**not tried**"
     return {True: "yes", False: "**no**", None: "n/a"}[row.get("met")]
 
 
@@ -269,15 +274,26 @@ def machine_info() -> list[tuple[str, str]]:
     return info
 
 
+def not_tried(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per row a benchmark could not try: ``benchmark: what: why``."""
+    return [f"{row['benchmark']}: {row['metric']}: {row['measured']}" for row in rows if not row.get("tried", True)]
+
+
 def format_report(rows: list[dict[str, Any]], runs: list[ScriptRun], info: list[tuple[str, str]]) -> str:
-    """The whole markdown: the results table, the run times and the machine section."""
+    """The whole markdown: the results table, what was not tried and why, the run times and the machine section."""
     total = sum(run.seconds for run in runs)
     times = ", ".join(f"{run.name} {run.seconds:.0f} s" for run in runs)
+    untried = not_tried(rows)
     parts = [
         "## Benchmark results",
         "",
         format_table(rows),
         "",
+        *(
+            [f"Not tried here, or failed ({len(untried)}):", "", *(f"- {_cell(line)}" for line in untried), ""]
+            if untried
+            else []
+        ),
         f"Wall time: {total:.0f} s for {len(runs)} benchmark(s) ({times}).",
         "",
         "## Machine",
@@ -328,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report, end="")
     if args.output:
         args.output.write_text(report)
+    untried = not_tried(rows)
+    if untried:
+        print(f"report.py: {len(untried)} thing(s) not tried here, or failed (under the table)", file=sys.stderr)
     failed = sorted({row["benchmark"] for row in rows if row.get("failed")})
     if failed:
         print(

@@ -1,4 +1,6 @@
-"""Tests for benchmarks/report.py and benchmarks/_result.py: result lines, failure rows, discovery, the table."""
+"""Tests for benchmarks/report.py, benchmarks/_result.py and the parts of benchmark scripts that need no run: result
+lines (ratios, fixed goals in seconds, what was not tried), failure rows, discovery, the table, the JUnit outcomes
+of environment_faults."""
 
 import importlib.util
 import io
@@ -53,6 +55,7 @@ def test_format_then_parse_round_trips(result):
         "baseline": "0.171 s (sync)",
         "target": "<= 0.10",
         "met": True,
+        "tried": True,
     }
 
 
@@ -103,6 +106,7 @@ def test_parse_fills_optional_fields_and_tolerates_whitespace(result):
         "baseline": "",
         "target": "n/a",
         "met": None,
+        "tried": True,
     }
 
 
@@ -114,11 +118,31 @@ def test_parse_fills_optional_fields_and_tolerates_whitespace(result):
         'BENCHMARK_RESULT {"benchmark": "b", "ratio": 1}',
         'BENCHMARK_RESULT {"benchmark": "b", "metric": "m", "ratio": "fast"}',
         'BENCHMARK_RESULT ["b", "m"]',
+        'BENCHMARK_RESULT {"benchmark": "b", "metric": "m", "ratio": 1, "tried": "no"}',
     ],
 )
 def test_parse_rejects_malformed_result_lines(result, line):
     with pytest.raises(ValueError):
         result.parse_result(line)
+
+
+@pytest.mark.parametrize(("seconds", "met"), [(2.4, True), (3.0, True), (3.1, False), (None, False)])
+def test_a_fixed_goal_is_reported_in_seconds_not_as_a_ratio(result, seconds, met):
+    record = result.parse_result(result.format_goal("layered_recovery", "kill recovery", seconds, 3.0, "exit -> step"))
+    assert record["ratio"] is None  # a goal is not a measured baseline: nothing is divided by it
+    assert record["metric"] == "kill recovery (s)"
+    assert record["baseline"] == result.FIXED_GOAL and "not measured" in record["baseline"]
+    assert record["target"] == "<= 3 s"
+    assert record["met"] is met
+    assert record["measured"] == ("not measured" if seconds is None else f"{seconds:.2f} s") + " (exit -> step)"
+
+
+def test_what_was_not_tried_is_a_line_with_its_reason(result):
+    line = result.format_not_tried("environment_faults", "test_host_faults.py::test_oom", "skipped: needs root")
+    record = result.parse_result(line)
+    assert record["tried"] is False and record["met"] is False and record["ratio"] is None
+    assert record["metric"] == "test_host_faults.py::test_oom"
+    assert record["measured"] == "skipped: needs root"
 
 
 # --- rows of a run --------------------------------------------------------------------------------------------
@@ -196,6 +220,20 @@ def test_table_has_one_line_per_row_in_column_order(report, result):
     assert lines[4].endswith("| n/a |  | **FAILED** |")
 
 
+def test_what_was_not_tried_is_marked_in_the_table_and_listed_under_it(report, result):
+    tried = result.format_goal("environment_faults", "held port: detection", 0.8, 60.0)
+    untried = result.format_not_tried("environment_faults", "test_host_faults::test_oom", "skipped: needs root")
+    rows = report.rows_for(_run(report, f"{tried}\n{untried}\n", name="environment_faults"))
+    assert not any(row.get("failed") for row in rows)
+    table = report.format_table(rows).splitlines()
+    assert table[2].endswith("| n/a | <= 60 s | yes |")
+    assert table[3].endswith("| **not tried** |")
+    text = report.format_report(rows, [_run(report, name="environment_faults")], [("hostname", "h1")])
+    assert "Not tried here, or failed (1):" in text
+    assert "- environment_faults: test_host_faults::test_oom: skipped: needs root" in text
+    assert "Not tried" not in report.format_report(rows[:1], [], [])
+
+
 def test_table_cells_escape_pipes_and_newlines(report):
     row = report.failure_row("b", "exit code 1: a | b\nsecond line")
     cells = report.format_table([row]).splitlines()[2]
@@ -216,6 +254,36 @@ def test_machine_info_names_every_required_field(report):
     for required in ("hostname", "CPU", "RAM", "GPU", "python", "torch", "megatron-core", "nvidia-resiliency-ext"):
         assert required in names
     assert names[-1] == "date"
+
+
+# --- environment_faults: the drills that were not tried ------------------------------------------------------
+
+_JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
+<testcase classname="tests.functional_tests.training.test_host_faults" name="test_port" time="3.1"/>
+<testcase classname="tests.functional_tests.training.test_host_faults" name="test_oom" time="0.01">
+<skipped type="pytest.skip" message="needs root and the cgroup v1 memory controller">skip text</skipped></testcase>
+<testcase classname="tests.functional_tests.training.test_storage_faults" name="test_full[async]" time="9">
+<failure message="AssertionError: exit 1&#10;second line">traceback</failure></testcase>
+<testcase classname="tests.functional_tests.training.test_storage_faults" name="test_slow" time="1">
+<error message="failed on setup with &quot;Failed: CI must run this drill: no losetup&quot;">x</error></testcase>
+</testsuite></testsuites>"""
+
+
+def test_environment_faults_lists_every_drill_that_skipped_or_failed_with_its_reason():
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        environment_faults = _load("environment_faults")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    found = environment_faults.untried(_JUNIT)
+    assert [(u.test, u.outcome) for u in found] == [
+        ("test_host_faults::test_oom", "skipped"),
+        ("test_storage_faults::test_full[async]", "failed"),
+        ("test_storage_faults::test_slow", "failed"),
+    ]
+    assert found[0].reason == "needs root and the cgroup v1 memory controller"
+    assert found[1].reason == "AssertionError: exit 1"  # the first line
+    assert "CI must run this drill" in found[2].reason
 
 
 # --- discovery and selection ----------------------------------------------------------------------------------
