@@ -8,9 +8,10 @@ Timed in the same processes, in interleaved blocks:
   when a hang timeout is in force;
 - baseline: a bare 4-byte all-reduce on the default group (what any cross-rank decision costs).
 
-Printed as microseconds per call and as a share of a ``--step-ms`` step (the ping divided by ``--interval``).
+Printed as microseconds per call and as a share of the CPU Llama recipe's step (``llama3_tiny_pretrain_config`` on 2
+ranks, measured first in the same run: ``_recipe_step.py``; the ping divided by ``--interval``).
 
-    python benchmarks/health_overhead.py [--calls 2000] [--step-ms 100] [--interval 10]
+    python benchmarks/health_overhead.py [--calls 2000] [--interval 10] [--recipe-steps 30]
 """
 
 import argparse
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _process import free_port
+from _recipe_step import measure_recipe_step
 from _result import emit_result
 
 from megatron.bridge.training.config import HealthConfig
@@ -71,15 +73,17 @@ def main() -> None:
     """Run both ranks and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--step-ms", type=float, default=100.0)
     parser.add_argument("--interval", type=int, default=10, help="steps between pings")
+    parser.add_argument("--recipe-steps", type=int, default=30, help="steps of the recipe run timing its step")
     args = parser.parse_args()
+    recipe = measure_recipe_step(args.recipe_steps)
+    print(f"the recipe's step: {recipe.describe()}; mean {recipe.mean_s * 1e3:.1f} ms", flush=True)
+    step = recipe.median_s
     port = free_port()
     out = mp.Manager().dict()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(port, args.calls, tmp, out), nprocs=2)
-    step = args.step_ms / 1e3
-    print(f"| what | us per call | ratio to a bare all-reduce | share of a {args.step_ms:g} ms step |")
+    print(f"| what | us per call | ratio to a bare all-reduce | share of the recipe's {step * 1e3:.1f} ms step |")
     print("|---|---|---|---|")
     rows = [
         ("bare 4-byte all-reduce (baseline)", out["bare"], 1),
@@ -91,9 +95,9 @@ def main() -> None:
         print(f"| {name} | {seconds * 1e6:.1f} | {seconds / out['bare']:.2f} | {share:.4f} % |")
     for name, seconds, every in rows[1:]:
         emit_result(
-            "health_overhead", f"cost per step / {args.step_ms:g} ms step: {name}", seconds / every / step,
-            f"{seconds * 1e6:.1f} us per call ({seconds / out['bare']:.2f} x a bare all-reduce)",
-            f"{args.step_ms:g} ms step (bare all-reduce {out['bare'] * 1e6:.1f} us)",
+            "health_overhead", f"cost per step / the recipe's step: {name}", seconds / every / step,
+            f"{seconds * 1e6:.1f} us per call ({seconds / out['bare']:.2f} x a bare all-reduce of "
+            f"{out['bare'] * 1e6:.1f} us)", recipe.describe(),
         )  # fmt: skip
 
 

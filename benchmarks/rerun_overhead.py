@@ -5,10 +5,11 @@ computes): the ``RerunController.passes`` loop and ``end_step`` (megatron-core's
 all-reduces in ``validate_results``, the all-rank NaN guard with its one all-reduce and the saved generator states).
 The baseline is the same loop with every check off; a bare 4-byte all-reduce is timed for reference (the NaN guard
 is one such all-reduce; in ``validate_results`` megatron-core's own all-reduced checks replace it after the first
-step). Printed as microseconds per step and as a share of a ``--step-ms`` step. On GPUs the guard's ``.item()``
-also waits for the step's kernels, which the optimizer's gradient-norm read does anyway.
+step). Printed as microseconds per step and as a share of the CPU Llama recipe's step (``llama3_tiny_pretrain_config``
+on 2 ranks), measured first in the same run (``_recipe_step.py``). On GPUs the guard's ``.item()`` also waits for
+the step's kernels, which the optimizer's gradient-norm read does anyway.
 
-    python benchmarks/rerun_overhead.py [--steps 3000] [--step-ms 100]
+    python benchmarks/rerun_overhead.py [--steps 3000] [--recipe-steps 30]
 """
 
 import argparse
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _process import free_port
+from _recipe_step import measure_recipe_step
 from _result import emit_result
 
 from megatron.bridge.training.config import RerunStateMachineConfig
@@ -100,25 +102,28 @@ def main() -> None:
     """Run both ranks and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--step-ms", type=float, default=100.0)
+    parser.add_argument("--recipe-steps", type=int, default=30, help="steps of the recipe run timing its step")
     args = parser.parse_args()
+    recipe = measure_recipe_step(args.recipe_steps)
+    print(f"the recipe's step: {recipe.describe()}; mean {recipe.mean_s * 1e3:.1f} ms", flush=True)
+    step = recipe.median_s
     port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(port, args.steps, out), nprocs=2)
     base = out["checks off (baseline)"]
-    print(f"| mode | us/step | added us/step | share of a {args.step_ms:g} ms step |")
+    print(f"| mode | us/step | added us/step | share of the recipe's {step * 1e3:.1f} ms step |")
     print("|---|---|---|---|")
     for name in [*MODES, _ALLREDUCE]:
         added = out[name] - base
-        print(f"| {name} | {out[name] * 1e6:.1f} | {added * 1e6:.1f} | {100 * added / (args.step_ms / 1e3):.3f} % |")
+        print(f"| {name} | {out[name] * 1e6:.1f} | {added * 1e6:.1f} | {100 * added / step:.3f} % |")
     for name in MODES:
         if name == "checks off (baseline)":
             continue
         added = out[name] - base
         emit_result(
-            "rerun_overhead", f"added time per step / {args.step_ms:g} ms step: {name}", added / (args.step_ms / 1e3),
-            f"{added * 1e6:.1f} us/step added ({out[name] * 1e6:.1f} us/step)",
-            f"{args.step_ms:g} ms step (checks off: {base * 1e6:.1f} us/step)",
+            "rerun_overhead", f"added time per step / the recipe's step: {name}", added / step,
+            f"{added * 1e6:.1f} us/step added ({out[name] * 1e6:.1f} us/step; checks off {base * 1e6:.1f} us/step)",
+            recipe.describe(),
         )  # fmt: skip
 
 

@@ -5,17 +5,19 @@ overhead to measure. So both modes run in the same processes, in alternating blo
 (about a second each), and the ratio is taken between the median block times of the two modes.
 
 A step is ``--step-ms`` of matrix multiplications (the "forward step", wrapped the way the trainer wraps it) plus a
-gradient-sized all-reduce over gloo, as in data-parallel training. With detection on, each step also goes through
-everything the trainer adds: the ``train_step`` and ``forward_step`` detection sections, the per-step ``check`` and,
-every ``--report-interval`` seconds, a full report (collectives, formatting, logging). Detection costs the same
-whatever the step computes, so this measures its overhead at a given step time. Target: <= 1 % at 100 ms.
+gradient-sized all-reduce over gloo, as in data-parallel training; by default as many milliseconds as the CPU Llama
+recipe's step (``llama3_tiny_pretrain_config`` on 2 ranks), measured first in the same run (``_recipe_step.py``).
+With detection on, each step also goes through everything the trainer adds: the ``train_step`` and ``forward_step``
+detection sections, the per-step ``check`` and, every ``--report-interval`` seconds, a full report (collectives,
+formatting, logging). Detection costs the same whatever the step computes, so this measures its overhead at a given
+step time. Target: <= 1 % of the recipe's step.
 
 Two numbers are printed: the A/B ratio (median over pairs of on/off block time; noisy, its spread is shown) and the
 directly accounted cost: time spent inside ``check`` (reports included) plus the cost of the two sections around
-an empty step, per step, over the off-mode step time. It is an upper bound: a report's collectives also absorb
-the ranks' skew, which the next gradient all-reduce would otherwise wait for.
+an empty step, per step, over the recipe's measured step time. It is an upper bound: a report's collectives also
+absorb the ranks' skew, which the next gradient all-reduce would otherwise wait for.
 
-    python benchmarks/straggler_overhead.py [--step-ms 100] [--pairs 15] [--report-interval 2]
+    python benchmarks/straggler_overhead.py [--step-ms MS] [--pairs 15] [--report-interval 2]
 """
 
 import argparse
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _process import free_port
+from _recipe_step import measure_recipe_step
 from _result import emit_result
 
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
@@ -108,11 +111,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, results: "mp.Queue")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--step-ms", type=float, default=100.0, help="compute per step, in milliseconds")
+    parser.add_argument("--step-ms", type=float, help="compute per step in ms (default: the recipe's, measured)")
     parser.add_argument("--pairs", type=int, default=15, help="number of (off, on) block pairs")
     parser.add_argument("--steps-per-block", type=int, default=10)
     parser.add_argument("--report-interval", type=float, default=2.0, help="nvrx_straggler.report_time_interval")
     args = parser.parse_args()
+    recipe = measure_recipe_step()
+    print(f"the recipe's step: {recipe.describe()}; mean {recipe.mean_s * 1e3:.1f} ms", flush=True)
+    if args.step_ms is None:
+        args.step_ms = recipe.median_s * 1e3
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -131,17 +138,17 @@ def main() -> None:
     print(f"median time per step: off {off * 1000:.2f} ms, on {on * 1000:.2f} ms")
     print(f"A/B ratio on/off (median of pairs): {ratio:.4f}, interquartile range {q1:.4f}-{q3:.4f}")
     print(
-        f"accounted detection cost: {accounted * 1000:.3f} ms/step = {100 * accounted / off:.3f} % of the step "
-        "(target <= 1 %)"
+        f"accounted detection cost: {accounted * 1000:.3f} ms/step = {100 * accounted / recipe.median_s:.3f} % of the "
+        f"recipe's step (target <= 1 %)"
     )
-    step = f"{off * 1000:.2f} ms/step (detection off, {args.step_ms:g} ms of compute)"
+    step = f"{off * 1000:.2f} ms/step (detection off, {args.step_ms:.1f} ms of compute)"
     emit_result(
         "straggler_overhead", "step time, detection on / off (A/B, median of pairs)", ratio,
         f"{on * 1000:.2f} ms/step (detection on; IQR of ratio {q1:.4f}-{q3:.4f})", step,
     )  # fmt: skip
     emit_result(
-        "straggler_overhead", "accounted detection cost / step time", accounted / off,
-        f"{accounted * 1000:.3f} ms/step (check + reports + sections)", step, "<= 0.01",
+        "straggler_overhead", "accounted detection cost / the recipe's step", accounted / recipe.median_s,
+        f"{accounted * 1000:.3f} ms/step (check + reports + sections)", recipe.describe(), "<= 0.01",
     )  # fmt: skip
 
 
