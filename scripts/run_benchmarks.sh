@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Run every benchmark in benchmarks/ and print one markdown table of their ratios plus the machine they ran on.
+# Run every benchmark in benchmarks/ and print one markdown table of their results (ratios against baselines measured
+# in the same run, times held to fixed goals in seconds, and what could not be tried here, with why) plus the
+# machine they ran on.
 # Sets up the environment first; ft_launcher (used by the fault-tolerance benchmarks) comes from .venv/bin.
 # Takes 10-25 minutes on a 2-core CPU machine; progress goes to stderr, the table to stdout.
 #
