@@ -16,15 +16,9 @@ unexplained. Progress
 """
 
 import argparse
-import datetime as dt
-import importlib.metadata
-import os
-import platform
-import socket
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,7 +29,6 @@ from _result import FIELDS, PREFIX, parse_result
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 COLUMNS = ("benchmark", "metric", "measured", "baseline", "ratio", "target", "met")
-PACKAGES = ("torch", "megatron-core", "nvidia-resiliency-ext", "mbridge-resiliency")
 
 
 @dataclass
@@ -207,71 +200,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _ram() -> str:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    return "unknown"
-
-
-def _gpu() -> str:
-    try:
-        with warnings.catch_warnings():  # torch.cuda warns about deprecated helper packages on import
-            warnings.simplefilter("ignore")
-            import torch
-
-        if not torch.cuda.is_available():
-            return "none"
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
-    except Exception as exc:  # a broken CUDA setup must not lose the table
-        return f"unknown ({type(exc).__name__})"
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    if rev.returncode != 0:
-        return "unknown"
-    return rev.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
 def machine_info() -> list[tuple[str, str]]:
-    """(name, value) pairs describing this machine and software stack."""
-    info = [
-        ("hostname", socket.gethostname()),
-        ("CPU", f"{_cpu_model()} x {os.cpu_count()} logical CPUs"),
-        ("RAM", _ram()),
-        ("GPU", _gpu()),
-        ("OS", platform.platform()),
-        ("python", platform.python_version()),
-    ]
-    info += [(package, _version(package)) for package in PACKAGES]
-    info += [("git commit", _git_commit()), ("date", dt.datetime.now().astimezone().isoformat(timespec="seconds"))]
-    return info
+    """(name, value) pairs describing this machine, its software and the commit (``utils.provenance``'s record)."""
+    from megatron.bridge.utils.provenance import collect
+
+    record = collect(REPO)
+    info = [("CPU", record.cpu), ("RAM", record.ram), ("GPU", record.gpu), ("OS", record.os), ("python", record.python)]
+    info += list(record.packages.items())
+    return [*info, ("git commit", record.commit), ("date", record.date)]
 
 
 def not_tried(rows: list[dict[str, Any]]) -> list[str]:
