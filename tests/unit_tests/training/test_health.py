@@ -13,6 +13,7 @@ from megatron.bridge.training import device_health, hang_attribution
 from megatron.bridge.training.config import HealthConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.liveness import LivenessPing
+from megatron.bridge.utils import upstream
 
 
 def _stuck_in_a_known_place(watch):
@@ -213,10 +214,32 @@ def test_ping_says_when_the_store_is_gone():
     assert "no rank could name the lost ranks (RuntimeError: Broken pipe)" in message
 
 
-def test_ping_off_does_nothing():
-    ping = LivenessPing(HealthConfig(), "0.0", {}.get)
-    ping.setup()  # no process group needed when off
-    ping.maybe_ping(10)
+def test_ping_off_joins_no_collective_and_records_nothing(monkeypatch, caplog):
+    """Off (``health.liveness_ping_interval=0``, the default): nothing the ping does when on happens, at any step: no
+    side group, no record in the store, no all-reduce, no log line. The same probes see all of it with the ping on."""
+    calls = []
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: calls.append("new_group") or "side group")
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, group=None: calls.append(f"all_reduce on {group}"))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+
+    def run(cfg):
+        store = dist.HashStore()
+        monkeypatch.setattr(upstream, "default_store", lambda: store)
+        calls.clear()
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="megatron.bridge.training.liveness"):
+            ping = LivenessPing(cfg, "0.0", {}.get)
+            ping.setup()
+            for iteration in range(1, 13):
+                ping.maybe_ping(iteration)
+            ping.shutdown()
+        return list(calls), store.num_keys(), caplog.text
+
+    calls_on, records_on, log_on = run(HealthConfig(liveness_ping_interval=3))
+    assert calls_on == ["new_group"] + ["all_reduce on side group"] * 4 and records_on == 1, (calls_on, records_on)
+    assert "liveness ping every 3 steps" in log_on
+    assert run(HealthConfig()) == ([], 0, "")
+    assert run(HealthConfig(liveness_ping_interval=0, liveness_ping_timeout=5.0)) == ([], 0, "")
 
 
 def test_no_device_checks_on_cpu_said_once(monkeypatch, caplog):
