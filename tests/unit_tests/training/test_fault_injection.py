@@ -62,7 +62,7 @@ def test_every_kind_has_its_default_phase_and_parses_in_each_of_its_phases():
     for kind, phases in fault_injection.PHASES.items():
         for phase in phases:
             when = "3s" if phase == "timer" else "3"
-            phase = phase + "after_tracker" if phase == "save." else phase
+            phase = phase + {"save.": "after_tracker", "restore.": "rng"}.get(phase, "")
             [fault] = parse(f"{kind}@{when}:0:{phase}")
             assert (fault.kind, fault.phase, fault.rank) == (kind, phase, 0)
 
@@ -148,6 +148,9 @@ def test_a_fault_given_twice_is_rejected():
         ("kill@4:0:timer", "a <seconds>s time goes with phase timer"),
         ("kill@4s:0:step", "a <seconds>s time goes with phase timer"),
         ("kill@-1s:0", "time -1.0s is not a number of seconds >= 0"),
+        ("skip_restore@5:1", "skip_restore needs its phase restore.<part> (parts: rng, optimizer, data)"),
+        ("skip_restore@5:1:restore.model", "unknown part 'restore.model'"),
+        ("kill@5:1:restore.rng", "kill cannot strike in phase 'restore.rng'"),
     ],
 )
 def test_a_malformed_item_is_named_with_its_bad_part_and_the_expected_form(spec, bad_part):
@@ -293,6 +296,23 @@ def test_a_poisoned_local_save_is_due_once_on_its_rank_and_iteration(tmp_path, m
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     fault_injection.install(FaultInjectionConfig(faults="nan@8:1:local_save", ledger=ledger))
     assert not fault_injection.poisons_local_save(rank=1, iteration=8)  # once per job
+
+
+def test_a_skipped_restore_is_due_once_at_the_load_of_its_iteration_on_its_rank(tmp_path, monkeypatch, caplog):
+    ledger = str(tmp_path / "ledger.jsonl")
+    spec = "skip_restore@6:1:restore.rng,skip_restore@6:1:restore.data,skip_restore@10:0:restore.optimizer"
+    assert [str(f) for f in parse(spec)] == spec.split(",")  # the part is always written out
+    fault_injection.install(FaultInjectionConfig(faults=spec, ledger=ledger))
+    assert fault_injection.skipped_restores(rank=0, iteration=6) == frozenset()
+    assert fault_injection.skipped_restores(rank=1, iteration=5) == frozenset()
+    assert fault_injection.skipped_restores(rank=1, iteration=6) == {"rng", "data"}
+    assert "fault injection: rank 1 resumes iteration 6 without restoring its rng" in caplog.text
+    assert fault_injection.skipped_restores(rank=1, iteration=6) == frozenset()  # struck: a later load restores
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    fault_injection.install(FaultInjectionConfig(faults=spec, ledger=ledger))
+    assert fault_injection.skipped_restores(rank=1, iteration=6) == frozenset()  # once per job
+    assert fault_injection.skipped_restores(rank=0, iteration=10) == {"optimizer"}  # never struck before
+    assert len(fault_injection.struck_faults(ledger)) == 3
 
 
 def test_a_written_local_checkpoint_is_corrupted_once_in_its_middle(tmp_path):

@@ -156,6 +156,9 @@ class CheckpointManager:
         """The iteration of the local-tier checkpoint this run started from (``None``: global tier or none)."""
         self.resumed: dict[str, Any] = {"tier": None, "iteration": None, "directory": None, "why": "not loaded yet"}
         """What :meth:`load` resumed from: tier (``"global"``, ``"local"`` or ``None``), iteration, directory, why."""
+        self.skipped_restores: frozenset[str] = frozenset()
+        """Parts of the loaded checkpoint this rank left unrestored on purpose (fault injection's ``skip_restore``:
+        ``"rng"``, ``"optimizer"``, ``"data"``; the data position is the caller's to skip)."""
 
     @property
     def async_queue(self) -> Any:
@@ -513,4 +516,9 @@ class CheckpointManager:
     def _apply(
         self, loaded: dict[str, Any], model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> None:
-        self.loaded_rank_extra = contents.apply_loaded(loaded, model, optimizer, scheduler, state)
+        progress = TrainState()
+        progress.load_state_dict(loaded["train_state"])
+        self.skipped_restores = fault_injection.skipped_restores(rank(), progress.step)
+        self.loaded_rank_extra = contents.apply_loaded(
+            loaded, model, optimizer, scheduler, state, skip=self.skipped_restores
+        )

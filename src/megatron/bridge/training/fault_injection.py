@@ -42,13 +42,19 @@ both apply (the environment's faults are added to the config's).
     then raises a ``RuntimeError`` saying that nothing killed it), ``clock_jump`` (this process's wall clock,
     ``time.time()`` and ``time.time_ns()``, jumps by ``x<factor>`` hours, default 1, negative for backwards, from
     then on; the monotonic clocks do not move: an NTP step or a mis-set clock, seen by this rank only): ``step``.
+  - ``skip_restore`` (a broken resume on purpose, to prove that a comparison with an uninterrupted run catches
+    it: the drill's mutations): ``restore.<part>``, no default: as the rank loads the checkpoint of that iteration
+    (either tier) it leaves ``<part>`` (:data:`RESTORE_PARTS`) as its fresh start made it: ``rng`` (every generator
+    keeps this start's seeds), ``optimizer`` (moments, step counts and master weights stay as built), ``data`` (the
+    training data stream starts at the first sample; the consumed-sample count itself is restored).
 
   ``step``: when the rank starts the iteration. ``forward``: in the rank's forward passes of the iteration.
   ``save.<point>``: at that point of the global checkpoint's commit protocol in the save of that iteration (points
   in :data:`SAVE_POINTS`: a crash, hang or stall during a save; only rank 0 commits, so every point after
   ``during_write`` needs rank 0). ``local_save``: before the local checkpoint's content hashes are computed, so it
   verifies (a state that is bad although intact, as a replica assembled from the wrong pieces would be).
-  ``timer``: goes with ``<seconds>s``, from a timer thread (``ft.simulate_fault`` is such a fault).
+  ``timer``: goes with ``<seconds>s``, from a timer thread (``ft.simulate_fault`` is such a fault). ``restore.<part>``:
+  at the load of the checkpoint of that iteration.
 - ``always``: strike in every attempt. Without it a fault strikes in the first attempt of a job only
   (``TORCHELASTIC_RESTART_COUNT`` unset or 0, and the first in-process restart iteration), so that a restarted job
   can recover; with a ledger (``fault_injection.ledger``) it strikes instead the first time any attempt reaches it.
@@ -105,6 +111,10 @@ SAVE_POINTS = (
     "after_tracker",  # committed; .replaced_iter_N (if any) not yet deleted
 )
 """The points of ``checkpoint/layout.py``'s commit protocol a ``save.<point>`` fault can strike at."""
+RESTORE = "restore."
+"""Prefix of the phases at the load of a checkpoint: ``restore.<part>`` (``skip_restore``)."""
+RESTORE_PARTS = ("rng", "optimizer", "data")
+"""What a ``skip_restore`` can leave unrestored (see the module docstring)."""
 
 _SIGNALS = (STEP, SAVE, TIMER)
 PHASES = {
@@ -121,6 +131,7 @@ PHASES = {
     "fill": (GLOBAL_SAVE, LOCAL_SAVE),
     "oom": (STEP,),
     "clock_jump": (STEP,),
+    "skip_restore": (RESTORE,),
 }
 """Every kind and the phases it can strike in; the first is its default."""
 KINDS = tuple(PHASES)
@@ -162,12 +173,16 @@ class Fault:
         timed = self.seconds is not None
         if timed == (self.iteration is not None):
             raise ValueError("give either an iteration or a time in seconds")
+        if not self.phase and PHASES[self.kind][0] == RESTORE:
+            raise ValueError(f"{self.kind} needs its phase {RESTORE}<part> (parts: {', '.join(RESTORE_PARTS)})")
         if not self.phase:
             object.__setattr__(self, "phase", TIMER if timed else PHASES[self.kind][0])
-        family = SAVE if self.phase.startswith(SAVE) else self.phase
+        family = next((p for p in (SAVE, RESTORE) if self.phase.startswith(p)), self.phase)
         if family not in PHASES[self.kind]:
-            allowed = ", ".join(p + "<point>" if p == SAVE else p for p in PHASES[self.kind])
+            allowed = ", ".join(p + {SAVE: "<point>", RESTORE: "<part>"}.get(p, "") for p in PHASES[self.kind])
             raise ValueError(f"{self.kind} cannot strike in phase {self.phase!r} (its phases: {allowed})")
+        if family == RESTORE and self.phase[len(RESTORE) :] not in RESTORE_PARTS:
+            raise ValueError(f"unknown part {self.phase!r} (parts: {RESTORE}{f', {RESTORE}'.join(RESTORE_PARTS)})")
         if family == SAVE and self.phase[len(SAVE) :] not in SAVE_POINTS:
             raise ValueError(f"unknown checkpoint point {self.phase!r} (points: save.{', save.'.join(SAVE_POINTS)})")
         if family == SAVE and self.phase != SAVE + SAVE_POINTS[0] and self.rank != 0:
@@ -231,12 +246,14 @@ def _parse_item(item: str) -> Fault:
                 factor = float(option[1:])
             except ValueError:
                 raise ValueError(f"factor {option!r} is not x<number>") from None
-        elif (option in (STEP, FORWARD, LOCAL_SAVE, GLOBAL_SAVE, TIMER) or option.startswith(SAVE)) and not phase:
+        elif (option in (STEP, FORWARD, LOCAL_SAVE, GLOBAL_SAVE, TIMER) or option.startswith((SAVE, RESTORE))) and (
+            not phase
+        ):
             phase = option
         else:
             raise ValueError(
                 f"option {option!r} is unknown or given twice (options: a phase {STEP}, {FORWARD}, {SAVE}<point>, "
-                f"{GLOBAL_SAVE}, {LOCAL_SAVE}, {TIMER}; x<factor>; always)"
+                f"{GLOBAL_SAVE}, {LOCAL_SAVE}, {TIMER}, {RESTORE}<part>; x<factor>; always)"
             )
     return Fault(kind, iteration, rank, phase, always, factor, seconds)
 
@@ -391,6 +408,18 @@ def at_save_point(point: str, rank: int, iteration: int) -> None:
 def poisons_local_save(rank: int, iteration: int) -> bool:
     """Whether the local checkpoint of ``iteration`` on ``rank`` is to be saved with NaN weights (and is, now)."""
     return registry().take(LOCAL_SAVE, rank, iteration, kind="nan") is not None
+
+
+def skipped_restores(rank: int, iteration: int) -> frozenset[str]:
+    """The parts (:data:`RESTORE_PARTS`) ``rank`` leaves unrestored as it loads the checkpoint of ``iteration``.
+
+    Each ``skip_restore`` due there is recorded as struck.
+    """
+    due = registry()
+    parts = frozenset(p for p in RESTORE_PARTS if due.take(RESTORE + p, rank, iteration, kind="skip_restore"))
+    for part in sorted(parts):
+        logger.error("fault injection: rank %d resumes iteration %d without restoring its %s", rank, iteration, part)
+    return parts
 
 
 def fill_storage(phase: str, rank: int, iteration: int, directory: str) -> None:

@@ -177,6 +177,8 @@ def _pretrain(
         straggler.initialize()
         # Checkpoint events reach the event recorder, then the user's callbacks (the loop's own manager comes later).
         checkpoint_callbacks = CallbackManager.chain([recorder], callbacks)
+        # Before the load: a fault may strike there (``skip_restore``).
+        registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
         checkpoints = CheckpointManager(
             cfg.checkpoint,
             common_extra={GOODPUT_ENTRY: goodput.snapshot},
@@ -232,7 +234,7 @@ def _pretrain(
             micro_batch_size=cfg.train.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
-            consumed_train_samples=state.consumed_train_samples,
+            consumed_train_samples=0 if "data" in checkpoints.skipped_restores else state.consumed_train_samples,
             consumed_valid_samples=state.consumed_valid_samples,
             worker_init_fn=(
                 functools.partial(ignore_in_worker, int(cfg.train.exit_signal))
@@ -243,7 +245,6 @@ def _pretrain(
         data_iterator = started(data_iterator)  # loader workers start inside ``setup``, not the first step
         setup_done()
         eval_forward_step = prepare_forward_step_func(forward_step_func, global_state)  # training wraps it more
-        registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
         fault_tolerance.maybe_setup_simulated_fault(cfg.ft, seed=cfg.rng.seed)
         faults = StepFaults(dist.get_rank(), registry)
         features = [  # the loop's features, in the order they run at each event (train.py)

@@ -6,6 +6,7 @@ continue bit-identically. The sharded state dict is built the same way for savin
 (``checkpointing.py``, ``local_tier.py``) agree on it.
 """
 
+from collections.abc import Collection
 from typing import Any, Optional
 
 import torch
@@ -81,9 +82,17 @@ def sharded_state_dict(
 
 
 def apply_loaded(
-    loaded: dict[str, Any], model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
+    loaded: dict[str, Any],
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    skip: Collection[str] = (),
 ) -> Optional[dict]:
     """Put a loaded checkpoint into the run; return this rank's extra state (``None`` when RNG states were not loaded).
+
+    ``skip``: parts left as they are, on purpose (fault injection's ``skip_restore``): ``"optimizer"``, ``"rng"``
+    (the generators; the extra state is restored).
 
     Raises:
         TrainingExit: ``CONFIG_ERROR`` when the config's learning-rate schedule differs from the checkpoint's and
@@ -91,9 +100,10 @@ def apply_loaded(
     """
     for key, chunk in zip(model_state_keys(model), model):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
-    with torch.no_grad():  # fp32 parameters are the distributed optimizer's main params: views of model leaves
-        optimizer.load_state_dict(loaded["optimizer"])
-    optimizer_state.after_loading(optimizer)
+    if "optimizer" not in skip:
+        with torch.no_grad():  # fp32 parameters are the distributed optimizer's main params: views of model leaves
+            optimizer.load_state_dict(loaded["optimizer"])
+        optimizer_state.after_loading(optimizer)
     try:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     except AssertionError as err:  # megatron-core: the config's schedule differs from the checkpoint's
@@ -107,5 +117,6 @@ def apply_loaded(
         return None
     blob = rng_state_from_tensor(loaded["rng_state"][0])
     extra = blob.pop(RANK_EXTRA_KEY, None)
-    set_rng_state(blob)
+    if "rng" not in skip:
+        set_rng_state(blob)
     return extra
