@@ -2,6 +2,7 @@
 detection, restart phases and recovery, and the report tells the truth."""
 
 import datetime
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from megatron.bridge.drill import events, report, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
 from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import compare
+from megatron.bridge.training.checkpoint.compare import PartCount
 from megatron.bridge.training.event_stream import EventKind, EventWriter, Mechanism, Process, RestartLayer
 
 PLAN = Plan(train_iters=100, nproc=2, save_interval=20, local_interval=5, max_restarts=6)
@@ -54,7 +56,7 @@ class Run:
     def strike(self, seconds, fault):
         kind = schedule.ledger_kind(fault)
         return self.at(seconds, fault.rank, EventKind.FAULT_INJECTED, rank=fault.rank, fault_kind=kind,
-                       iteration=fault.iteration)  # fmt: skip
+                       iteration=fault.iteration, phase=schedule.worker_fault(fault).phase)  # fmt: skip
 
     def detect(self, when, mechanism, who=0, **fields):
         return self.at(when, who, EventKind.FAULT_DETECTED, mechanism=mechanism, **fields)
@@ -183,7 +185,7 @@ def test_a_corrupted_local_checkpoint_counts_the_steps_the_fallback_lost(tmp_pat
 def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs(tmp_path, monkeypatch):
     timeline = _kill_run(tmp_path, monkeypatch).timeline()
     found = events.outcomes(timeline, schedule.parse("kill@6:1"))
-    good = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, tensors_compared=12)
+    good = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, compared=[PartCount("model", 12, 0)])
     assert good.passed
     table = report.fault_table(good)
     assert "kill@6:1" in table and "iteration 4" in table and "not detected" not in table
@@ -393,3 +395,79 @@ def test_a_survivors_in_process_restart_cut_short_by_the_launchers_stop_belongs_
     later = run.timeline()
     (outcome,) = events.outcomes(later, schedule.parse("kill@6:1"))
     assert events.unexplained_restarts(later, [outcome]) == [pytest.approx(T0 + 16.3)]
+
+
+def test_a_mutation_is_a_skipped_restore_at_a_checkpoint_a_restart_loads():
+    faults = schedule.parse("preempt@38:0,no-rng-restore@38:1,no-data-restore@38:0")  # a preemption's own save
+    schedule.check(faults, PLAN)
+    assert schedule.worker_faults(faults) == (
+        "sigterm@38:0,skip_restore@38:1:restore.rng,skip_restore@38:0:restore.data"
+    )
+    schedule.check(schedule.parse("no-optimizer-restore@25:1,kill@27:1"), PLAN)  # the local save of 25, then a kill
+    with pytest.raises(ValueError, match="none would: schedule preempt@26"):
+        schedule.check(schedule.parse("no-optimizer-restore@26:1,kill@27:1"), PLAN)  # no checkpoint of 26
+    with pytest.raises(ValueError, match="strikes when a restart loads the checkpoint of iteration 25"):
+        schedule.check(schedule.parse("no-optimizer-restore@25:1,kill@31:1"), PLAN)  # 30 is saved first
+    with pytest.raises(ValueError, match="there twice"):
+        schedule.parse("preempt@38:0,no-rng-restore@38:1,no-rng-restore@38:1")
+
+
+def test_a_mutation_is_matched_by_its_part_and_left_out_of_the_fault_table(tmp_path, monkeypatch):
+    run = _kill_run(tmp_path, monkeypatch)
+    faults = schedule.parse("kill@6:1,no-rng-restore@4:1,no-data-restore@4:1")
+    run.strike(18.5, DrillFault("no-rng-restore", 4, 1))  # only the RNG one struck (at the load of 4, rank 1)
+    timeline = run.timeline()
+    found, mutations = events.outcomes(timeline, faults), events.mutation_outcomes(timeline, faults)
+    assert [o.fault.label for o in found] == ["kill@6:1"] and found[0].ok
+    assert [(m.fault.label, m.struck) for m in mutations] == [
+        ("no-rng-restore@4:1", pytest.approx(T0 + 18.5, abs=0.01)), ("no-data-restore@4:1", None)
+    ]  # fmt: skip
+    differs = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=False, differences=["x: differ"],
+                                 compared=[PartCount("RNG", 1, 2, "2 ranks")], mutations=mutations[:1])  # fmt: skip
+    assert not differs.passed and "kill@6:1" in report.fault_table(differs)
+    assert "no-rng-restore" not in report.fault_table(differs)
+    t0 = timeline.start
+    assert report.mutation_lines(differs) == [
+        f"mutation no-rng-restore@4:1: struck at {T0 + 18.5 - t0:.1f} s; the final state differs"
+    ]
+    assert report.equality_line(differs).splitlines() == [
+        "final state DIFFERS from the fault-free run (compared 1 tensors and 2 entries: RNG 1 tensor, 2 entries "
+        "(2 ranks)):",
+        "  - x: differ",
+    ]
+    missed = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, mutations=mutations)
+    assert not missed.passed  # the data mutation never struck: the schedule did not play out
+    assert "mutation no-data-restore@4:1: never struck" in report.mutation_lines(missed)[1]
+    assert "yet the final state is EQUAL: the comparison missed it" in report.mutation_lines(missed)[0]
+    as_json = report.to_json(differs)
+    assert as_json["mutations"][0]["mutation"] == "no-rng-restore@4:1" and as_json["tensors_compared"] == 1
+    assert as_json["compared"] == [{"part": "RNG", "tensors": 1, "entries": 2, "detail": "2 ranks"}]
+
+
+def test_the_equal_verdict_says_what_was_compared_part_by_part(tmp_path, monkeypatch):
+    timeline = _kill_run(tmp_path, monkeypatch).timeline()
+    found = events.outcomes(timeline, schedule.parse("kill@6:1"))
+    parts = [PartCount("model", 9, 16, "262,720 values"), PartCount("data position", 0, 2)]
+    equal = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, compared=parts, final_iteration=6)
+    assert report.equality_line(equal) == (
+        "final state EQUAL to the fault-free run with the same seed: 9 tensors and 18 entries: model 9 tensors, "
+        "16 entries (262,720 values); data position 2 entries; bit for bit, at iteration 6"
+    )
+
+
+def test_a_reference_run_is_reused_only_with_the_same_settings(tmp_path, capsys):
+    from megatron.bridge.drill import cli
+
+    earlier = tmp_path / "earlier"
+    (earlier / "reference").mkdir(parents=True)
+    base = ["--train-iters", "10", "--faults", "none", "--data", str(tmp_path / "corpus")]
+    assert cli.main([*base, "--run-dir", str(tmp_path / "a"), "--reference-run", str(earlier)]) == 2
+    assert "no finished fault-free run there" in capsys.readouterr().err
+    args, overrides = cli._args([*base, "--run-dir", str(tmp_path / "a"), "--", "model.hidden_dropout=0.2"])
+    settings = {**cli._settings(args, overrides), "wall_s": 12.5}
+    (earlier / "reference" / cli.REFERENCE_SETTINGS).write_text(json.dumps(settings))
+    assert cli.main([*base, "--run-dir", str(tmp_path / "b"), "--reference-run", str(earlier)]) == 2
+    assert "overrides ['model.hidden_dropout=0.2'] there, [] here" in capsys.readouterr().err
+    args.reference_run = earlier
+    reference_dir, wall, _ = cli._earlier_reference(args, overrides)
+    assert (reference_dir, wall) == (earlier / "reference", 12.5)

@@ -1,7 +1,7 @@
 """``python -m megatron.bridge.drill``: the resiliency drill from the command line.
 
     python -m megatron.bridge.drill [--faults default|none|<schedule>] [--train-iters 100] [--run-dir runs/main_job]
-        [--no-reference] [-- <dotted overrides for both runs>]
+        [--no-reference | --reference-run <an earlier drill's run dir>] [-- <dotted overrides for both runs>]
 
 Exit code 0 when the job finished, every fault was detected and recovered, and the final state equals the
 fault-free run's; 1 otherwise; 2 for a bad schedule or argument.
@@ -16,21 +16,30 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from megatron.bridge.drill import events, report, runner, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
 from megatron.bridge.training import fault_injection
 from megatron.bridge.training.resiliency_validation import INPROCESS_ENV
 
+if TYPE_CHECKING:  # the comparison imports torch: only when the drill compares
+    from megatron.bridge.training.checkpoint.compare import PartCount
+
 logger = logging.getLogger(__name__)
 
 ENTRY = ("megatron.bridge.recipes.run", "llama3_tiny_pretrain_config")
 """What each rank runs (``python -m``): the CPU-sized Llama recipe, which ships in the package."""
-MODEL_OVERRIDES = ("model.pipeline_model_parallel_size=2", "dataset.num_workers=0")
+MODEL_OVERRIDES = ("model.pipeline_model_parallel_size=2", "dataset.num_workers=0",
+                   "model.hidden_dropout=0.1", "model.attention_dropout=0.1")  # fmt: skip
 """The drill's layout, before the user's overrides (which may change them): two pipeline stages; batches read in the
 training process (loader workers are fresh interpreters that would compete with the ranks for 2 cores at every
-restart; the exact-resume drills run with them)."""
+restart; the exact-resume drills run with them).
+
+Dropout on (the Llama recipe has none): every step of every stage then draws from the random generators (hidden
+dropout from torch's, attention dropout from megatron-core's tracker), so a resume that does not restore each rank's
+generators trains on with other masks and the final state differs. Without dropout nothing draws from them during
+training, and "final state equal (model, optimizer, RNG)" could not fail on the RNG."""
 CORPUS_BYTES = 2_000_000
 """Text of the drill's corpus: the first Python standard library sources, byte-level tokenized."""
 WORKERS_STOP_TIMEOUT = 0.5
@@ -49,7 +58,8 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--faults",
         default="default",
         help=f"<kind>@<iteration>:<rank>[:x<factor>],... with kind in {', '.join(schedule.KINDS)} (x<factor>: slow "
-        f"only); 'default' ({schedule.DEFAULT}) or 'none'",
+        f"only), or a mutation ({', '.join(schedule.MUTATIONS)}: a resume that leaves that part unrestored, to show "
+        f"that the comparison catches it); 'default' ({schedule.DEFAULT}) or 'none'",
     )
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
@@ -61,6 +71,13 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--timeout", type=float, default=900.0, help="kill a run (and its ranks) after this many seconds")
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no equality check)")
     p.add_argument("--data", default=None, help="a dataset prefix to train on (default: a corpus made offline)")
+    p.add_argument(
+        "--reference-run",
+        type=Path,
+        default=None,
+        help="compare with the fault-free run of an earlier drill (its --run-dir) made with the same settings "
+        "and --data, instead of running one",
+    )
     return p.parse_args(argv), overrides
 
 
@@ -88,6 +105,40 @@ def _prepare_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     (run_dir / _MARKER).write_text("a resiliency drill's run directory: emptied by the next drill\n")
+
+
+REFERENCE_SETTINGS = "drill_settings.json"
+"""In a drill's ``reference/``: the settings its fault-free run was made with, and its wall time (for a later drill's
+``--reference-run``)."""
+
+
+def _settings(args: argparse.Namespace, overrides: list[str]) -> dict:
+    """What decides the final state of a fault-free run (the launcher's restart budget does not)."""
+    keys = ("train_iters", "nproc", "save_interval", "local_interval", "step_timeout")
+    return {**{k: getattr(args, k) for k in keys}, "data": str(Path(args.data).resolve()), "overrides": overrides}
+
+
+def _earlier_reference(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, float, events.Timeline]:
+    """The fault-free run of the drill in ``--reference-run``: its directory, wall seconds and timeline.
+
+    Raises:
+        ValueError: there is none, or it was made with other settings (its final state would differ anyway).
+    """
+    ref = args.reference_run / "reference"
+    if args.no_reference or args.reference_run.resolve() == args.run_dir.resolve():
+        raise ValueError("--reference-run: give another drill's --run-dir, and not with --no-reference")
+    try:
+        saved = json.loads((ref / REFERENCE_SETTINGS).read_text())
+    except (OSError, ValueError):
+        raise ValueError(f"--reference-run {args.reference_run}: no finished fault-free run there") from None
+    wanted = _settings(args, overrides)
+    changed = [f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in wanted.items() if saved.get(k) != v]
+    if changed:
+        raise ValueError(
+            f"--reference-run {args.reference_run}: its fault-free run had other settings ({'; '.join(changed)}); "
+            "use the same ones (--data too), or leave --reference-run out"
+        )
+    return ref, float(saved["wall_s"]), events.read_run(ref / "events")
 
 
 def _ft_launcher() -> list[str]:
@@ -210,18 +261,19 @@ def _final_summary(path: Path, train_iters: int) -> Optional[dict]:
     return summary if summary.get("iteration") == train_iters else None
 
 
-def _compare(reference: Path, drill: Path) -> tuple[Optional[bool], list[str], int]:
+def _compare(reference: Path, drill: Path) -> tuple[Optional[bool], list[str], list["PartCount"]]:
+    """Whether the drill's final checkpoint equals the reference's, what differs or is missing, what was compared."""
     from megatron.bridge.training.checkpoint import compare
 
     for path in (reference, drill):
         if not (path / "common.pt").exists():
-            return False, [f"{path} holds no committed checkpoint"], 0
+            return False, [f"{path} holds no committed checkpoint"], []
     try:
         a, b = compare.checkpoint_state(reference), compare.checkpoint_state(drill)
     except Exception as err:  # noqa: BLE001 - an unreadable checkpoint is a failed comparison, reported as such
-        return False, [f"could not read the final checkpoints: {type(err).__name__}: {err}"], 0
-    diffs = compare.differences(a, b)
-    return not diffs, diffs, compare.tensor_count(a)
+        return False, [f"could not read the final checkpoints: {type(err).__name__}: {err}"], []
+    result = compare.compare_states(a, b, names=("fault-free run's checkpoint", "drill's checkpoint"))
+    return result.equal, result.differences, result.parts
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -238,6 +290,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _prepare_run_dir(args.run_dir)
         if args.data is None:
             args.data = prepare_corpus(args.run_dir / "data")
+        earlier = _earlier_reference(args, overrides) if args.reference_run is not None else None
     except ValueError as err:
         print(f"drill: {err}", file=sys.stderr)
         return 2
@@ -247,24 +300,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         "(in-process restart inside in-job restart)"
     )
     print(f"[drill] faults: {', '.join(f.label for f in faults) or 'none'}; max restarts {max_restarts}")
-    reference_wall, reference_timeline = None, None
-    if not args.no_reference:
+    reference_dir, reference_wall, reference_timeline = run_dir / "reference", None, None
+    if earlier is not None:
+        reference_dir, reference_wall, reference_timeline = earlier
+        print(f"[drill] 1/2: the fault-free reference run of {args.reference_run} (same settings)", flush=True)
+    elif not args.no_reference:
         print("[drill] 1/2: the fault-free reference run (same seed, same features)", flush=True)
-        code, reference_wall, reference_timeline = _train(
-            args, run_dir / "reference", "reference", [], overrides, max_restarts
-        )
+        code, reference_wall, reference_timeline = _train(args, reference_dir, "reference", [], overrides, max_restarts)
         if code != 0:
-            print(f"[drill] the reference run failed (exit {code}); see {run_dir / 'reference' / 'train.log'}")
+            print(f"[drill] the reference run failed (exit {code}); see {reference_dir / 'train.log'}")
             return 1
+        settings = {**_settings(args, overrides), "wall_s": reference_wall}
+        (reference_dir / REFERENCE_SETTINGS).write_text(json.dumps(settings, indent=1) + "\n")
     print("[drill] 2/2: the run with faults", flush=True)
     code, wall, timeline = _train(args, run_dir, "drill", faults, overrides, max_restarts)
     found = events.outcomes(timeline, faults)
     final = f"iter_{args.train_iters:07d}"
-    equal, diffs, count = (None, [], 0)
+    equal, diffs, compared = (None, [], [])
     if reference_timeline is not None:
-        equal, diffs, count = _compare(run_dir / "reference" / "checkpoints" / final, run_dir / "checkpoints" / final)
+        equal, diffs, compared = _compare(reference_dir / "checkpoints" / final, run_dir / "checkpoints" / final)
     summary = run_dir / "checkpoints" / "goodput" / "summary.json"
-    reference_summary = run_dir / "reference" / "checkpoints" / "goodput" / "summary.json"
+    reference_summary = reference_dir / "checkpoints" / "goodput" / "summary.json"
     result = report.DrillResult(
         outcomes=found,
         timeline=timeline,
@@ -274,10 +330,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         goodput=_final_summary(summary, args.train_iters),
         equal=equal,
         differences=diffs,
-        tensors_compared=count,
+        compared=compared,
         unexplained_restarts=events.unexplained_restarts(timeline, found),
         final_iteration=max((it for _, it, _ in timeline.steps), default=None),
         reference_goodput=json.loads(reference_summary.read_text()) if reference_summary.exists() else None,
+        mutations=events.mutation_outcomes(timeline, faults),
     )
     return _finish(result, run_dir, reference_timeline)
 
@@ -293,6 +350,7 @@ def _finish(result: report.DrillResult, run_dir: Path, reference: Optional[event
             report.fault_table(result),
             "",
             *report.goodput_lines(result),
+            *report.mutation_lines(result),
             report.equality_line(result),
             f"training job exit code {result.exit_code}; drill {'PASSED' if result.passed else 'FAILED'}",
         ]

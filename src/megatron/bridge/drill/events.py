@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megatron.bridge.drill.schedule import RELOADING, DrillFault, ledger_kind
+from megatron.bridge.drill.schedule import MUTATIONS, RELOADING, DrillFault, ledger_kind, worker_fault
 from megatron.bridge.training.event_stream import Event, EventKind, Mechanism, Problem, RestartLayer, read_events
 
 DETECTED_BY: dict[Mechanism, str] = {
@@ -318,7 +318,8 @@ def _detects(fault: DrillFault, e: Event) -> bool:
 def _strike(events: list[Event], fault: DrillFault) -> Optional[Event]:
     """The ``fault_injected`` event of ``fault`` (the training processes name its kind as the ledger does)."""
     wanted = (ledger_kind(fault), fault.iteration, fault.rank)
-    injected = (e for e in events if _is(e, EventKind.FAULT_INJECTED))
+    phase = worker_fault(fault).phase if fault.kind in MUTATIONS else None  # three mutations share one kind
+    injected = (e for e in events if _is(e, EventKind.FAULT_INJECTED) and phase in (None, e.phase))
     return next((e for e in injected if (e.fault_kind, e.iteration, e.rank) == wanted), None)
 
 
@@ -332,12 +333,12 @@ def outcomes(timeline: Timeline, faults: list[DrillFault]) -> list[Outcome]:
 
     Args:
         timeline: what the event stream of the run with faults says.
-        faults: the schedule, sorted by iteration.
+        faults: the schedule, sorted by iteration (its mutations are left out: :func:`mutation_outcomes`).
 
     Returns:
         One :class:`Outcome` per fault, in schedule order; what could not be matched stays ``None``.
     """
-    result = [Outcome(fault) for fault in faults]
+    result = [Outcome(fault) for fault in faults if fault.kind not in MUTATIONS]
     for outcome in result:
         strike = _strike(timeline.events, outcome.fault)
         outcome.struck = None if strike is None else strike.time
@@ -359,6 +360,15 @@ def outcomes(timeline: Timeline, faults: list[DrillFault]) -> list[Outcome]:
         elif fault.kind in RELOADING:
             later = [o.struck for o in result[i + 1 :] if o.fault.kind in RELOADING and o.struck is not None]
             _restarted(outcome, timeline, min(later, default=float("inf")), claimed)
+    return result
+
+
+def mutation_outcomes(timeline: Timeline, faults: list[DrillFault]) -> list[Outcome]:
+    """The schedule's mutations, each with when it struck (nothing is meant to detect or recover one)."""
+    result = [Outcome(fault) for fault in faults if fault.kind in MUTATIONS]
+    for outcome in result:
+        strike = _strike(timeline.events, outcome.fault)
+        outcome.struck = None if strike is None else strike.time
     return result
 
 

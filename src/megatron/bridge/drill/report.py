@@ -8,11 +8,14 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron.bridge.drill.events import DETECTED_BY, Outcome, Restart, Timeline, recovered_by
 from megatron.bridge.training.event_stream import Mechanism, RestartLayer
 from megatron.bridge.training.event_stream import to_json as to_event_json
+
+if TYPE_CHECKING:  # the comparison imports torch
+    from megatron.bridge.training.checkpoint.compare import PartCount
 
 logger = logging.getLogger(__name__)
 
@@ -31,24 +34,40 @@ class DrillResult:
     """The training job's own goodput summary (``<checkpoint.save>/goodput/summary.json``)."""
     equal: Optional[bool]
     differences: list[str] = field(default_factory=list)
-    tensors_compared: int = 0
+    """What differs from the reference's final state, or is missing from either (``<part>: …``)."""
+    compared: list["PartCount"] = field(default_factory=list)
+    """What the comparison compared, per part of the training state."""
     unexplained_restarts: list[float] = field(default_factory=list)
     final_iteration: Optional[int] = None
     reference_goodput: Optional[dict[str, Any]] = None
     """The fault-free run's goodput summary."""
+    mutations: list[Outcome] = field(default_factory=list)
+    """The schedule's mutations (``schedule.MUTATIONS``) and when each struck."""
 
     @property
     def passed(self) -> bool:
         """Finished, every fault detected and recovered, no unexplained restart, the final state equal (compared).
 
-        A restart no fault explains is a false alarm, and costs a restart on a real cluster too.
+        A restart no fault explains is a false alarm, and costs a restart on a real cluster too. A mutation that never
+        struck fails it too (the schedule did not play out); one that struck should leave the state unequal.
         """
         return (
             self.exit_code == 0
             and all(o.ok for o in self.outcomes)
+            and all(m.struck is not None for m in self.mutations)
             and not self.unexplained_restarts
             and self.equal is True
         )
+
+    @property
+    def tensors_compared(self) -> int:
+        """Tensors the comparison compared."""
+        return sum(p.tensors for p in self.compared)
+
+    @property
+    def entries_compared(self) -> int:
+        """Plain values (not tensors) the comparison compared."""
+        return sum(p.entries for p in self.compared)
 
 
 def _secs(value: Optional[float]) -> str:
@@ -180,16 +199,37 @@ def goodput_lines(result: DrillResult) -> list[str]:
     return lines
 
 
+def compared_text(result: DrillResult) -> str:
+    """How many tensors and entries of each part of the training state were compared."""
+    parts = "; ".join(p.describe() for p in result.compared) or "nothing"
+    return f"{result.tensors_compared} tensors and {result.entries_compared} entries: {parts}"
+
+
 def equality_line(result: DrillResult) -> str:
-    """The verdict on the final training state."""
+    """The verdict on the final training state, with what was compared (unequal: then one line per difference)."""
     if result.equal is None:
         return "final state: NOT COMPARED (--no-reference): the drill cannot pass without the comparison"
     if result.equal:
         return (
-            f"final state EQUAL to the fault-free run with the same seed: {result.tensors_compared} tensors "
-            f"(model, optimizer, RNG) and progress, bit for bit, at iteration {result.final_iteration}"
+            f"final state EQUAL to the fault-free run with the same seed: {compared_text(result)}; bit for bit, at "
+            f"iteration {result.final_iteration}"
         )
-    return "final state DIFFERS from the fault-free run: " + "; ".join(result.differences)
+    listed = [f"  - {line}" for line in result.differences]
+    return "\n".join([f"final state DIFFERS from the fault-free run (compared {compared_text(result)}):", *listed])
+
+
+def mutation_lines(result: DrillResult) -> list[str]:
+    """One line per mutation: whether it struck, and what the comparison made of it."""
+    t0 = result.timeline.start or 0.0
+    lines = []
+    for m in result.mutations:
+        if m.struck is None:
+            lines.append(f"mutation {m.fault.label}: never struck (no restart loaded iteration {m.fault.iteration})")
+            continue
+        verdict = {True: "yet the final state is EQUAL: the comparison missed it", False: "the final state differs",
+                   None: "not compared"}[result.equal]  # fmt: skip
+        lines.append(f"mutation {m.fault.label}: struck at {m.struck - t0:.1f} s; {verdict}")
+    return lines
 
 
 def to_json(result: DrillResult) -> dict[str, Any]:
@@ -203,6 +243,20 @@ def to_json(result: DrillResult) -> dict[str, Any]:
         "equal": result.equal,
         "differences": result.differences,
         "tensors_compared": result.tensors_compared,
+        "entries_compared": result.entries_compared,
+        "compared": [
+            {"part": p.part, "tensors": p.tensors, "entries": p.entries, "detail": p.detail} for p in result.compared
+        ],
+        "mutations": [
+            {
+                "mutation": m.fault.label,
+                "kind": m.fault.kind,
+                "iteration": m.fault.iteration,
+                "rank": m.fault.rank,
+                "struck_s": None if m.struck is None else m.struck - t0,
+            }
+            for m in result.mutations
+        ],
         "final_iteration": result.final_iteration,
         "goodput": result.goodput,
         "reference_goodput": result.reference_goodput,

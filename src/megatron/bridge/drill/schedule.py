@@ -15,14 +15,21 @@ A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]`
 - ``corrupt-local``: once the rank's local checkpoint of the iteration is written, bytes in the middle of its file
   are flipped, as a failing disk would; a later restart must find it bad and fall back to the global tier.
 
-All are faults of the training processes' fault-injection registry (``fault_injection.faults``), each striking once
-per job thanks to the ledger (``fault_injection.ledger``).
+A schedule may also hold mutations: broken resumes on purpose, which nothing detects or recovers, to prove that the
+comparison with the fault-free run catches what they break (a drill with one fails, naming the difference):
+
+- ``no-rng-restore``, ``no-optimizer-restore``, ``no-data-restore``: as the rank loads the checkpoint of the
+  iteration, it leaves its random generators, its optimizer state, or its data position (the data stream starts
+  again at the first sample) as its fresh start made them.
+
+All are faults of the training processes' fault-injection registry (``fault_injection.faults``; the mutations are
+its ``skip_restore``), each striking once per job thanks to the ledger (``fault_injection.ledger``).
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.bridge.training.fault_injection import Fault
+from megatron.bridge.training.fault_injection import RESTORE, Fault
 
 DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,stall@47:1,slow@48:1:x6"
 """One of each kind, for 100 iterations with global saves every 20 and local ones every 5.
@@ -39,6 +46,11 @@ detector needs costs five steps' time, which made the slowed rank the costliest 
 (about 7 s of 12-14 s). The drill's threshold (0.3, see ``cli.training_overrides``) sits about twice below the
 healthy ranks' lowest scores and twice above the slowed rank's."""
 
+MUTATIONS = {"no-rng-restore": "rng", "no-optimizer-restore": "optimizer", "no-data-restore": "data"}
+"""Mutation kinds and the part each leaves unrestored (fault injection's ``skip_restore@<it>:<rank>:restore.<part>``).
+
+Not faults: no mechanism is meant to detect them, the fault table leaves them out, and a drill whose final state
+still equals the reference's after one struck has a comparison that does not bite."""
 KINDS = ("kill", "hang", "stall", "preempt", "nan", "slow", "corrupt-local")
 RESTARTING = ("kill", "hang", "preempt", "slow")
 """Kinds after which ft_launcher restarts the workers (``slow``: the straggler stop, exit 21, then the in-job
@@ -56,6 +68,7 @@ _WORKER_KIND = {
     "nan": "nan",
     "slow": "slow",
     "corrupt-local": "corrupt",
+    **dict.fromkeys(MUTATIONS, "skip_restore"),
 }
 """The fault-injection kind that injects each drill kind inside the training processes."""
 
@@ -106,18 +119,22 @@ def parse(spec: str) -> list[DrillFault]:
                 factor = float(parts[2][1:])
             elif len(parts) != 2:
                 raise ValueError
-            if kind not in KINDS or iteration < 1 or rank < 0 or (factor is not None and not 1 < factor < 100):
+            known = kind in KINDS or kind in MUTATIONS
+            if not known or iteration < 1 or rank < 0 or (factor is not None and not 1 < factor < 100):
                 raise ValueError
         except (ValueError, IndexError):
             raise ValueError(
                 f"--faults: bad item {item!r}; expected <kind>@<iteration>:<rank> (slow also takes :x<factor>, "
-                f"1 < factor < 100) with kind in {KINDS}, iteration >= 1, rank >= 0"
+                f"1 < factor < 100) with kind in {KINDS} or a mutation {tuple(MUTATIONS)}, iteration >= 1, rank >= 0"
             ) from None
         faults.append(DrillFault(kind, iteration, rank, factor if factor is not None or kind != "slow" else 6.0))
     faults.sort(key=lambda f: f.iteration)
-    seen = [f.iteration for f in faults]
+    seen = [f.iteration for f in faults if f.kind not in MUTATIONS]
     if len(set(seen)) != len(seen):
         raise ValueError("--faults: two faults at the same iteration cannot be told apart in the report; move one")
+    mutations = [(f.kind, f.iteration, f.rank) for f in faults if f.kind in MUTATIONS]
+    if len(set(mutations)) != len(mutations):
+        raise ValueError("--faults: a mutation is there twice (it strikes once); remove one")
     return faults
 
 
@@ -138,6 +155,8 @@ def check(faults: list[DrillFault], plan: Plan) -> None:
                 f"it needs 2 or more ranks and {SLOW_MARGIN} iterations after it (at most iteration "
                 f"{plan.train_iters - SLOW_MARGIN})"
             )
+        if fault.kind in MUTATIONS:
+            _check_mutation(fault, faults, plan)
         if fault.kind != "corrupt-local":
             continue
         if fault.iteration % plan.local_interval or not fault.iteration % plan.save_interval:
@@ -164,13 +183,37 @@ def check(faults: list[DrillFault], plan: Plan) -> None:
         )
 
 
+def _check_mutation(mutation: DrillFault, faults: list[DrillFault], plan: Plan) -> None:
+    """A mutation strikes at the load of the checkpoint of its iteration: a restart must load that one.
+
+    That is a preemption's own save (``preempt`` at the same iteration), or a checkpoint of that iteration (local or
+    global) followed by a kill, hang or stall before the next checkpoint.
+    """
+    if any(f.kind == "preempt" and f.iteration == mutation.iteration for f in faults):
+        return
+    it, nxt = mutation.iteration, mutation.iteration + 1
+    while nxt % plan.local_interval and nxt % plan.save_interval:
+        nxt += 1
+    restart = next((f for f in faults if f.kind in ("kill", "hang", "stall") and it < f.iteration <= nxt), None)
+    if (it % plan.local_interval and it % plan.save_interval) or restart is None:
+        raise ValueError(
+            f"--faults: {mutation.label} strikes when a restart loads the checkpoint of iteration {it}, and none "
+            f"would: schedule preempt@{it}:<rank> (it saves there), or put it at a checkpoint's iteration (local "
+            f"every {plan.local_interval}, global every {plan.save_interval}) with a kill, hang or stall after it "
+            "and before the next checkpoint"
+        )
+
+
+def worker_fault(fault: DrillFault) -> Fault:
+    """The fault-injection fault that injects ``fault`` inside the training processes."""
+    kind = _WORKER_KIND[fault.kind]
+    phase = f"{RESTORE}{MUTATIONS[fault.kind]}" if fault.kind in MUTATIONS else ""
+    return Fault(kind, fault.iteration, fault.rank, phase, factor=fault.factor if fault.kind == "slow" else None)
+
+
 def worker_faults(faults: list[DrillFault]) -> str:
     """The ``fault_injection.faults`` spec of the faults injected inside the training processes."""
-    return ",".join(
-        str(Fault(_WORKER_KIND[f.kind], f.iteration, f.rank, factor=f.factor if f.kind == "slow" else None))
-        for f in faults
-        if f.kind in _WORKER_KIND
-    )
+    return ",".join(str(worker_fault(f)) for f in faults if f.kind in _WORKER_KIND)
 
 
 def ledger_kind(fault: DrillFault) -> str:
