@@ -14,6 +14,7 @@ from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import compare
 from megatron.bridge.training.checkpoint.compare import PartCount
 from megatron.bridge.training.event_stream import EventKind, EventWriter, Mechanism, Process, RestartLayer
+from megatron.bridge.utils import provenance
 
 PLAN = Plan(train_iters=100, nproc=2, save_interval=20, local_interval=5, max_restarts=6)
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0).timestamp()
@@ -198,6 +199,10 @@ def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs(tmp
     assert as_json["restarts_s"] == [pytest.approx(6.7)] and as_json["inprocess_restarts_s"] == []
     assert as_json["restart_phases"][0]["load_s"] == pytest.approx(1.0)
     assert as_json["restart_phases"][0]["teardown_s"] == pytest.approx(0.3)
+    assert as_json["provenance"] is None  # not measured: nothing claims a machine
+    measured = provenance.collect()
+    good.provenance = measured
+    assert provenance.Provenance.from_json(json.loads(json.dumps(report.to_json(good)))["provenance"]) == measured
     assert not report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=False, differences=["x"]).passed
     assert not report.DrillResult(found, timeline, 1, 40.0, 20.0, None, equal=True).passed
     spurious = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, unexplained_restarts=[T0 + 30])

@@ -22,6 +22,7 @@ from megatron.bridge.drill import events, report, runner, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
 from megatron.bridge.training import fault_injection
 from megatron.bridge.training.resiliency_validation import INPROCESS_ENV
+from megatron.bridge.utils import provenance
 
 if TYPE_CHECKING:  # the comparison imports torch: only when the drill compares
     from megatron.bridge.training.checkpoint.compare import PartCount
@@ -280,6 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run the drill; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, overrides = _args(sys.argv[1:] if argv is None else argv)
+    measured_on = provenance.collect()  # the drill's date, machine and commit, for its report
     try:
         faults = schedule.parse(args.faults)
         restarting = sum(f.kind in schedule.RESTARTING for f in faults)
@@ -335,6 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         final_iteration=max((it for _, it, _ in timeline.steps), default=None),
         reference_goodput=json.loads(reference_summary.read_text()) if reference_summary.exists() else None,
         mutations=events.mutation_outcomes(timeline, faults),
+        provenance=measured_on,
     )
     return _finish(result, run_dir, reference_timeline)
 

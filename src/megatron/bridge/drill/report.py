@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from megatron.bridge.drill.events import DETECTED_BY, Outcome, Restart, Timeline, recovered_by
 from megatron.bridge.training.event_stream import Mechanism, RestartLayer
 from megatron.bridge.training.event_stream import to_json as to_event_json
+from megatron.bridge.utils.provenance import Provenance
 
 if TYPE_CHECKING:  # the comparison imports torch
     from megatron.bridge.training.checkpoint.compare import PartCount
@@ -43,6 +44,8 @@ class DrillResult:
     """The fault-free run's goodput summary."""
     mutations: list[Outcome] = field(default_factory=list)
     """The schedule's mutations (``schedule.MUTATIONS``) and when each struck."""
+    provenance: Optional[Provenance] = None
+    """When, on what machine and from which commit the drill ran (the figures the docs quote name it)."""
 
     @property
     def passed(self) -> bool:
@@ -236,6 +239,7 @@ def to_json(result: DrillResult) -> dict[str, Any]:
     """A machine-readable report."""
     t0 = result.timeline.start or 0.0
     return {
+        "provenance": None if result.provenance is None else result.provenance.to_json(),
         "passed": result.passed,
         "exit_code": result.exit_code,
         "wall_s": result.wall_s,
