@@ -9,13 +9,12 @@ step measured on the same machine under the same load.
 """
 
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from _process import kill_tree
+from _process import run_or_exit
 
 from megatron.bridge.training.event_stream import EventKind, read_file, worker_file
 
@@ -57,17 +56,7 @@ def measure_recipe_step(steps: int = 30, warmup: int = 5, timeout: float = 300.0
             f"health.event_dir={events}", f"logger.tensorboard_dir={Path(tmp) / 'tb'}",
         ]  # fmt: skip
         print(f"[recipe step] {' '.join(cmd)}", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            out, _ = proc.communicate()
-            sys.exit(f"the {RECIPE} run timed out after {timeout:.0f} s:\n{out[-3000:]}")
-        if proc.returncode != 0:
-            sys.exit(f"the {RECIPE} run failed (exit {proc.returncode}):\n{out[-3000:]}")
+        out = run_or_exit(cmd, REPO, timeout, f"the {RECIPE} run")
         found, _ = read_file(str(events / worker_file(0)))
     times = [e.seconds for e in found if e.kind == EventKind.STEP_COMPLETED and e.iteration > warmup and e.seconds]
     if len(times) < 5:

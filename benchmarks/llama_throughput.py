@@ -30,14 +30,13 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _process import kill_tree
+from _process import run_or_exit
 from _result import emit_result
 
 BENCH = Path(__file__).resolve().parent
@@ -76,17 +75,7 @@ def _run(cmd: list[str], timeout: float, waits_dir: Path) -> tuple[str, float]:
     """Run ``cmd`` from the repository root; its output and wall time. Exits the benchmark when it fails."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", WAITS_ENV: str(waits_dir)}
     start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        sys.exit(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{out[-3000:]}")
-    if proc.returncode != 0:
-        sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{out[-3000:]}")
+    out = run_or_exit(cmd, REPO, timeout, " ".join(cmd), env=env)
     return out, time.monotonic() - start
 
 
