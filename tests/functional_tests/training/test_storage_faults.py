@@ -41,6 +41,13 @@ from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.fault_injection import FILL_FILE
 
 FT = "ft.enable_ft_package=true"
+# Sections without timeouts: the ranks report them and can ask ft_launcher not to restart, but the rank monitor
+# times none of them. The full-disk drill under ft_launcher drills that request, not hang detection (its own drills
+# do). With the harness's drill timeouts (step:6) a step that a loaded machine slowed past 6 s was taken for a hang:
+# the rank monitor killed the rank and ft_launcher restarted the workers, one more attempt and load than the drill's.
+SECTIONS_UNTIMED = [
+    "--ft-rank-section-timeouts=setup:none,step:none,checkpointing:none", "--ft-workload-check-interval=1",
+]  # fmt: skip
 LOCAL = ["checkpoint.non_persistent_ckpt_type=local", "checkpoint.non_persistent_save_interval=2"]
 
 
@@ -130,7 +137,8 @@ def test_a_full_disk_under_ft_launcher_is_not_restarted_and_the_job_exits_26(ref
     # Before: ft_launcher restarted its workers into the same full disk until its restarts ran out, then exited 1.
     with tmpfs(tmp_path / "fs", "size=64m") as fs:
         ckpt = fs / "ckpt"
-        run = ft_launcher(ckpt, FT, max_restarts=3, env={"MBRIDGE_FAULTS": "fill@6:0:global_save"})
+        fill = {"MBRIDGE_FAULTS": "fill@6:0:global_save"}
+        run = ft_launcher(ckpt, FT, max_restarts=3, env=fill, ft_flags=SECTIONS_UNTIMED)
         assert run.exit_code == 26, tail(run)
         assert "asked ft_launcher not to restart the workers: exit code 26 (STORAGE_FULL)" in run.output, tail(run)
         assert "the workers failed with exit code 26 (STORAGE_FULL)" in run.output
@@ -139,7 +147,7 @@ def test_a_full_disk_under_ft_launcher_is_not_restarted_and_the_job_exits_26(ref
         _nothing_lost(ckpt, 3)
 
         (ckpt / FILL_FILE).unlink()  # space freed: the next job resumes
-        _resumes_exactly(reference_tp1, ckpt, ft_launcher(ckpt, FT, max_restarts=3), 3)
+        _resumes_exactly(reference_tp1, ckpt, ft_launcher(ckpt, FT, max_restarts=3, ft_flags=SECTIONS_UNTIMED), 3)
         record("disk full during a global save under ft_launcher (--max-restarts=3)", run, Mechanism.STORAGE_FULL,
                resumed="from 3, bit-exact; not restarted into the full disk")  # fmt: skip
 
