@@ -29,6 +29,7 @@ from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.utils.dist import all_gather_object, barrier, broadcast_from_rank0, on_rank0, rank, world_size
+from megatron.bridge.utils.orphans import die_with_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -214,18 +215,19 @@ class CheckpointManager:
             return self._keep_in_local_tier(model, optimizer, scheduler, state)
         fault_injection.fill_storage(fault_injection.GLOBAL_SAVE, rank(), iteration, root)
         try:
-            request = dist_checkpointing.save(
-                sharded_sd,
-                tmp,
-                sharded_strategy=self._save_strategy(),
-                # The sharding layout cannot change within a run: check it (a collective) on the first save only.
-                validate_access_integrity=self._saves == 1,
-                async_sharded_save=self._queue is not None,
-                # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
-                preprocess_common_before_consistancy_check=lambda common: {
-                    k: v for k, v in common.items() if k not in self._common_extra
-                },
-            )
+            with die_with_this_process():  # a writer forked here must not outlive a rank killed mid-save
+                request = dist_checkpointing.save(
+                    sharded_sd,
+                    tmp,
+                    sharded_strategy=self._save_strategy(),
+                    # The sharding layout cannot change within a run: check it (a collective) on the first save only.
+                    validate_access_integrity=self._saves == 1,
+                    async_sharded_save=self._queue is not None,
+                    # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
+                    preprocess_common_before_consistancy_check=lambda common: {
+                        k: v for k, v in common.items() if k not in self._common_extra
+                    },
+                )
             if self._queue is None:
                 self._commit(iteration, attempt)
         except StorageGuard.SAVE_ERRORS as err:
