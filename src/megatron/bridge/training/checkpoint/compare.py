@@ -320,8 +320,3 @@ def compare_states(
     missing = [f"{line} in the {name}" for state, name in zip((a, b), names) for line in missing_parts(state)]
     both = {key: a[key] for key in a if key in b}
     return Comparison(missing + differences(a, b, limit), part_counts(both))
-
-
-def tensor_count(state: dict[str, Any]) -> int:
-    """How many tensors a :func:`checkpoint_state` result holds."""
-    return sum(isinstance(v, torch.Tensor) for v in state.values())
