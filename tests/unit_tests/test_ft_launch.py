@@ -31,22 +31,34 @@ def test_the_launchers_port_pick_is_replaced_for_the_run(monkeypatch):
     from megatron.bridge.launcher_events import MONITOR
     from megatron.bridge.utils import upstream
 
-    pick_port = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
+    pick_port = _installed_port_pick()
     for key in (pick_port, MONITOR):
         _restored(monkeypatch, key)
 
     low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
     picked = []
 
-    def fake_launcher(args):
-        with upstream.get(pick_port)() as sock:  # what the agent calls at every (re)start for MASTER_PORT
-            picked.append(sock.getsockname()[1])
+    def fake_launcher(args):  # what the agent (torch's rendezvous from 0.6) calls at every (re)start for MASTER_PORT
+        if pick_port == upstream.PICK_PORT_SOCKET:
+            with upstream.get(pick_port)() as sock:
+                picked.append(sock.getsockname()[1])
+        else:
+            picked.append(upstream.get(pick_port)())
         return None
 
     monkeypatch.setattr(launcher, "main", fake_launcher)
     assert ft_launch.main(["--nproc-per-node=2"]) == 0
     (port,) = picked
     assert not low <= port <= high, f"port {port} is in the ephemeral range {low}-{high}"
+
+
+def _installed_port_pick():
+    """The installed ft_launcher's port pick (its own agent's before nvidia-resiliency-ext 0.6, torch's after)."""
+    from megatron.bridge.utils import upstream
+
+    key = upstream.applicable((upstream.PICK_PORT_SOCKET, upstream.PICK_PORT_NUMBER))
+    assert key is not None
+    return key
 
 
 def _restored(monkeypatch, key):
@@ -86,8 +98,7 @@ def test_a_launcher_that_ends_after_a_stop_code_exits_with_it(monkeypatch, capsy
     from megatron.bridge.launcher_events import MONITOR
     from megatron.bridge.utils import upstream
 
-    pick_port = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
-    for key in (pick_port, MONITOR):
+    for key in (_installed_port_pick(), MONITOR):
         _restored(monkeypatch, key)
     monkeypatch.setattr(ft_launch.standby, "install", lambda launcher_name, argv: argv)
     failed = {0: types.SimpleNamespace(exitcode=17, timestamp=1000)}

@@ -69,7 +69,7 @@ def test_the_handle_reports_exit_codes_and_signals_like_popen():
 
 
 def test_the_opt_out_flag_keeps_the_launchers_own_start_and_is_removed(monkeypatch):
-    key = upstream.STANDBY_PATCHES["torch"]
+    key = upstream.applicable(upstream.STANDBY_PATCHES["torch"])
     original = upstream.get(key)
     monkeypatch.setattr(upstream.owner(key), "_popen", original)  # restored after the test
     started = []

@@ -47,7 +47,6 @@ from megatron.bridge.utils import rendezvous_port, upstream
 from megatron.bridge.utils.process_start import process_start_time
 from megatron.bridge.utils.rendezvous_port import StorePort
 
-_PICK_PORT = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
 _PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST = 10000
 """Below this, well-known and registered services live."""
@@ -79,6 +78,24 @@ def socket_on_a_quiet_port() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("", 0))
     return sock
+
+
+def a_quiet_port() -> int:
+    """A free port outside the ephemeral range (closed again: the caller's process binds it)."""
+    with socket_on_a_quiet_port() as sock:
+        return sock.getsockname()[1]
+
+
+def pick_quiet_ports() -> bool:
+    """Make the installed ft_launcher pick the workers' store port with :func:`a_quiet_port`; ``False``: not found.
+
+    Before nvidia-resiliency-ext 0.6 its own elastic agent asks for a bound socket; from 0.6 torch's rendezvous
+    asks for a port number.
+    """
+    key = upstream.applicable((upstream.PICK_PORT_SOCKET, upstream.PICK_PORT_NUMBER))
+    if key is None:
+        return False
+    return upstream.patch(key, socket_on_a_quiet_port if key == upstream.PICK_PORT_SOCKET else a_quiet_port)
 
 
 def take_event_dir(argv: list[str]) -> tuple[Optional[str], list[str]]:
@@ -215,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main
 
     ft_launcher.run = _rendezvous_errors_exit_28(ft_launcher.run, store, parsed)
-    upstream.patch(_PICK_PORT, socket_on_a_quiet_port)
+    pick_quiet_ports()
     events = launcher_events.install(event_dir) if event_dir else None
     failures = WorkerFailures()
     failures.install()

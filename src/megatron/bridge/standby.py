@@ -214,12 +214,12 @@ def install(launcher: str, argv: list[str]) -> list[str]:
     """
     if OPT_OUT not in argv:
         _STANDBY.start()  # first: the launcher's module, imported to patch it, may set up logging
-        key = upstream.STANDBY_PATCHES[launcher]
-        original = upstream.find(key)
+        key = upstream.applicable(upstream.STANDBY_PATCHES[launcher])
+        original = upstream.find(key) if key is not None else None
         if original is not None:
             upstream.patch(key, popen_or_fork(original))
         else:  # nothing will ask it for workers: let it exit
-            _STANDBY.stop(f"{key} is gone")
+            _STANDBY.stop(f"{key or launcher + ' worker start'} is gone")
     return [arg for arg in argv if arg != OPT_OUT]
 
 
@@ -276,14 +276,17 @@ def _serve(conn: Connection) -> Optional[dict]:
         if middle == 0:  # forks the worker and exits at once: the worker becomes the launcher's (subreaper) child
             os.close(read)
             me = os.getpid()
-            worker = os.fork()
-            if worker == 0:
+            if os.fork() == 0:
+                # Its own session (and process group) before the launcher learns its pid: from
+                # nvidia-resiliency-ext 0.7 the launcher records each worker's group at once and kills the groups it
+                # recorded at shutdown, which must never be the launcher's own.
+                os.setsid()
+                os.write(write, str(os.getpid()).encode())
                 os.close(write)
                 conn.close()
                 while os.getppid() == me:  # start as the launcher's child, as a worker it started itself would
                     time.sleep(0.001)
                 return request
-            os.write(write, str(worker).encode())
             os._exit(0)
         os.close(write)
         with os.fdopen(read, "rb") as pipe:
@@ -293,8 +296,10 @@ def _serve(conn: Connection) -> Optional[dict]:
 
 
 def _become_worker(request: dict) -> None:
-    """The launcher's session, signals, directory, environment, files and arguments; the thread count to match."""
-    os.setsid()
+    """The launcher's signals, directory, environment, files and arguments; the thread count to match.
+
+    The worker already has its own session, as a worker the launcher started itself would (``start_new_session``).
+    """
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
     os.environ.clear()

@@ -28,7 +28,8 @@ def test_a_removed_symbol_is_reported_with_its_name_use_and_both_releases(monkey
     problems = upstream.problems()
     assert len(problems) == 1, problems
     assert problems[0].startswith("megatron.core.rerun_state_machine:_set_rerun_state_machine (call; ")
-    checked, installed = upstream.CHECKED_AGAINST["megatron-core"], upstream.installed_version("megatron-core")
+    checked = ", ".join(upstream.CHECKED_AGAINST["megatron-core"])
+    installed = upstream.installed_version("megatron-core")
     assert f"Checked against megatron-core {checked}, installed {installed}" in problems[0]
     with pytest.raises(upstream.UpstreamChanged, match="_set_rerun_state_machine"):
         upstream.set_rerun_state_machine(None)
@@ -125,3 +126,22 @@ def test_tests_and_benchmarks_reach_the_listed_private_names_only_through_the_co
         if pattern.search(line) and not line.lstrip().startswith("#")
     ]
     assert not found, "use upstream.get/patch/bound (or its public helpers) for:\n" + "\n".join(found)
+
+
+def test_a_symbol_of_some_releases_only_is_checked_and_picked_only_there(monkeypatch):
+    old, new = upstream._BY_KEY[upstream.PICK_PORT_SOCKET], upstream._BY_KEY[upstream.PICK_PORT_NUMBER]
+    assert old.checked == ("0.4.1",) and new.checked == upstream.CHECKED_AGAINST["torch"]
+    versions = {"nvidia-resiliency-ext": "0.4.1"}
+    monkeypatch.setattr(upstream, "installed_version", lambda package: versions.get(package))
+    assert old.applies() and not new.applies()
+    assert upstream.applicable((old.key, new.key)) == old.key
+    versions["nvidia-resiliency-ext"] = "0.7.0"
+    assert upstream.applicable((old.key, new.key)) == new.key
+    assert upstream.applicable(upstream.STANDBY_PATCHES["ft_launcher"]) == upstream.STANDBY_PATCHES["torch"][0]
+    versions.clear()  # not installed: neither holds
+    assert upstream.applicable((old.key, new.key)) is None
+
+
+def test_every_conditional_symbol_holds_in_some_checked_release():
+    for symbol in upstream.SYMBOLS:
+        assert symbol.checked, f"{symbol.key}: its condition {symbol.when!r} admits no checked release"

@@ -14,7 +14,9 @@ names the CPU shims swap): they are used where they are needed and listed here s
 upgrade that removed one, and fails when a source file uses another module's underscore name directly.
 
 Names used through public API are not listed. nvidia-resiliency-ext 0.6 moved the straggler package: such entries
-list the newer module too (tried first).
+list the newer module too (tried first). It also dropped its own copy of torch elastic (``_torch_elastic_compat``):
+its launcher starts workers and picks ports through torch's, so those entries hold only for some releases
+(:attr:`Symbol.when`), and a caller picks the one that holds (:func:`applicable`).
 """
 
 import importlib
@@ -26,10 +28,19 @@ from importlib import metadata
 from types import ModuleType
 from typing import Any, Optional
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 logger = logging.getLogger(__name__)
 
-CHECKED_AGAINST = {"torch": "2.13.0", "megatron-core": "0.16.1", "nvidia-resiliency-ext": "0.4.1"}
-"""The releases every symbol below was checked against (and the unit test ran with)."""
+CHECKED_AGAINST = {
+    "torch": ("2.13.0",),
+    "megatron-core": ("0.16.1",),
+    "nvidia-resiliency-ext": ("0.4.1", "0.6.0", "0.7.0"),
+}
+"""The releases every symbol below was checked against: the unit test ran with each (``scripts/run_tests.sh --nvrx``
+runs it against the other nvidia-resiliency-ext releases). A symbol with a :attr:`Symbol.when` was checked against
+those of its package's releases that the condition admits."""
 
 _PACKAGE_OF = {"torch": "torch", "megatron": "megatron-core", "nvidia_resiliency_ext": "nvidia-resiliency-ext"}
 
@@ -49,6 +60,9 @@ class Symbol:
     """Where and why."""
     newer_modules: tuple[str, ...] = ()
     """The same attribute's module in newer releases (tried first)."""
+    when: str = ""
+    """A requirement the installed releases must meet for the symbol to exist, e.g. ``"nvidia-resiliency-ext<0.6"``
+    (empty: every release). A symbol whose condition fails is not checked, and :func:`applicable` skips it."""
 
     @property
     def module(self) -> str:
@@ -65,6 +79,25 @@ class Symbol:
         """The distribution that ships it."""
         return _PACKAGE_OF[self.module.split(".", 1)[0]]
 
+    @property
+    def checked(self) -> tuple[str, ...]:
+        """The releases of :attr:`package` it was checked against (those :attr:`when` admits, when it names it)."""
+        releases = CHECKED_AGAINST[self.package]
+        if not self.when:
+            return releases
+        requirement = Requirement(self.when)
+        if canonicalize_name(requirement.name) != canonicalize_name(self.package):
+            return releases
+        return tuple(r for r in releases if requirement.specifier.contains(r, prereleases=True))
+
+    def applies(self) -> bool:
+        """Whether the installed releases meet :attr:`when` (a package it names that is not installed: no)."""
+        if not self.when:
+            return True
+        requirement = Requirement(self.when)
+        version = installed_version(requirement.name)
+        return version is not None and requirement.specifier.contains(version, prereleases=True)
+
 
 _RSM = "megatron.core.rerun_state_machine"
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
@@ -75,24 +108,35 @@ _STRAGGLER = "nvidia_resiliency_ext.straggler"
 _STRAGGLER_NEW = "nvidia_resiliency_ext.attribution.straggler"
 
 
+NVRX_OWN_ELASTIC = "nvidia-resiliency-ext<0.6"
+"""Releases whose ``ft_launcher`` runs on the package's own copy of torch elastic (``_torch_elastic_compat``)."""
+NVRX_TORCH_ELASTIC = "nvidia-resiliency-ext>=0.6"
+"""Releases whose ``ft_launcher`` runs on torch's elastic agent: workers start and ports are picked there."""
+
 _TORCH_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 _NVRX_HANDLER = (
     "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.multiprocessing.subprocess_handler.subprocess_handler"
 )
 STANDBY_PATCHES = {
-    "torch": f"{_TORCH_HANDLER}:SubprocessHandler._popen",
-    "ft_launcher": f"{_NVRX_HANDLER}:SubprocessHandler._popen",
+    "torch": (f"{_TORCH_HANDLER}:SubprocessHandler._popen",),
+    "ft_launcher": (f"{_NVRX_HANDLER}:SubprocessHandler._popen", f"{_TORCH_HANDLER}:SubprocessHandler._popen"),
 }
-"""The worker-start method of each launcher, which :mod:`megatron.bridge.standby` replaces."""
+"""The worker-start method of each launcher, which :mod:`megatron.bridge.standby` replaces: the first that
+:func:`applicable` finds (``ft_launcher`` before nvidia-resiliency-ext 0.6 has its own)."""
+
+PICK_PORT_SOCKET = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port"
+"""``ft_launcher``'s pick of the workers' store port before nvidia-resiliency-ext 0.6: returns a bound socket."""
+PICK_PORT_NUMBER = "torch.distributed.elastic.rendezvous.api:get_free_port"
+"""The same pick from 0.6 on (torch's rendezvous, as the module's own name): returns the port number."""
 
 
-def _worker_handler(module: str, launcher: str) -> tuple[Symbol, ...]:
+def _worker_handler(module: str, launcher: str, when: str = "") -> tuple[Symbol, ...]:
     """The worker-start method of ``launcher``'s ``SubprocessHandler`` and the output files it reads."""
     why = f"standby.py: {launcher}'s workers are forked from a pre-imported standby process"
     return (
-        Symbol(f"{module}:SubprocessHandler._popen", "patch", why),
+        Symbol(f"{module}:SubprocessHandler._popen", "patch", why, when=when),
         *(
-            Symbol(f"{module}:SubprocessHandler.{a}", "state", "standby.py: the worker's output file")
+            Symbol(f"{module}:SubprocessHandler.{a}", "state", "standby.py: the worker's output file", when=when)
             for a in ("_stdout", "_stderr")
         ),
     )
@@ -242,13 +286,20 @@ SYMBOLS: tuple[Symbol, ...] = (
     _torch_global("megatron.core.dist_checkpointing.strategies.async_utils", "torch.cuda.synchronize before forking"),
     _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),
     _torch_global("megatron.core.dist_checkpointing.tensor_aware_state_dict", "torch.cuda.synchronize"),
-    *_worker_handler(_TORCH_HANDLER, "torchrun"),
-    # ---------------------------------------------------------------- nvidia-resiliency-ext
-    *_worker_handler(_NVRX_HANDLER, "ft_launcher"),
+    *_worker_handler(_TORCH_HANDLER, "torchrun's (and from nvidia-resiliency-ext 0.6 ft_launcher's)"),
     Symbol(
-        "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api:_get_socket_with_port",
+        PICK_PORT_NUMBER,
         "patch",
         "ft_launch.py: the workers' store port is picked outside the kernel's ephemeral range",
+        when=NVRX_TORCH_ELASTIC,
+    ),
+    # ---------------------------------------------------------------- nvidia-resiliency-ext
+    *_worker_handler(_NVRX_HANDLER, "ft_launcher", when=NVRX_OWN_ELASTIC),
+    Symbol(
+        PICK_PORT_SOCKET,
+        "patch",
+        "ft_launch.py: the workers' store port is picked outside the kernel's ephemeral range",
+        when=NVRX_OWN_ELASTIC,
     ),
     *(
         Symbol(f"{_FT_AGENT}.{method}", "patch", f"launcher_events.py: {why} (observed, then upstream's runs)")
@@ -349,7 +400,7 @@ def installed_version(package: str) -> Optional[str]:
 def _describe(symbol: Symbol, reason: str) -> str:
     return (
         f"{symbol.key} ({symbol.use}; {symbol.why}): {reason}. Checked against {symbol.package} "
-        f"{CHECKED_AGAINST[symbol.package]}, installed {installed_version(symbol.package) or 'none'}; "
+        f"{', '.join(symbol.checked)}, installed {installed_version(symbol.package) or 'none'}; "
         f"update megatron/bridge/utils/upstream.py and its users"
     )
 
@@ -465,10 +516,20 @@ def base_class(path: str) -> type:
     return cls
 
 
+def applicable(keys: tuple[str, ...]) -> Optional[str]:
+    """The first of ``keys`` (listed symbols) whose :attr:`Symbol.when` the installed releases meet, or ``None``."""
+    return next((key for key in keys if _symbol(key).applies()), None)
+
+
 def problems() -> list[str]:
-    """One line per listed symbol that does not resolve in the installed releases (empty when all do)."""
+    """One line per listed symbol that does not resolve in the installed releases (empty when all do).
+
+    A symbol whose :attr:`Symbol.when` the installed releases do not meet is not checked.
+    """
     found = []
     for symbol in SYMBOLS:
+        if not symbol.applies():
+            continue
         try:
             _resolve(symbol)
         except UpstreamChanged as err:
