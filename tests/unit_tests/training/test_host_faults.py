@@ -82,14 +82,34 @@ def test_ft_launchers_arguments_are_read_without_importing_it():
 
 
 @pytest.mark.timeout(30)
-def test_the_ft_launcher_option_list_matches_ft_launchers_parser():
+def test_the_installed_ft_launchers_options_are_all_recognised_as_its_own():
     from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser as ft_parser
     from torch.distributed.run import get_args_parser as torch_parser
 
     torchrun = {s for action in torch_parser()._actions for s in action.option_strings}
     extra = [a for a in ft_parser()._actions if a.option_strings and not set(a.option_strings) & torchrun]
-    assert {tuple(a.option_strings) for a in extra if a.nargs != 0} == set(rendezvous_port.FT_LAUNCHER_OPTIONS)
-    assert {s for a in extra if a.nargs == 0 for s in a.option_strings} == set(rendezvous_port.FT_LAUNCHER_FLAGS)
+    assert extra, "ft_launcher adds no option to torchrun's: is it the launcher?"
+    for action in extra:
+        for name in action.option_strings:
+            if action.nargs == 0:
+                assert name in rendezvous_port.FT_LAUNCHER_FLAGS, f"{name} takes no value: list it as a flag"
+            else:
+                assert name.startswith(rendezvous_port.FT_LAUNCHER_PREFIXES) or name in (
+                    rendezvous_port.FT_LAUNCHER_OPTIONS
+                ), f"{name} is not recognised as ft_launcher's"
+                assert name not in rendezvous_port.FT_LAUNCHER_FLAGS, f"{name} takes a value"
+
+
+def test_every_releases_spellings_are_read_and_a_missing_value_refused():
+    for options in (
+        ["--ft-param-rank_heartbeat_timeout", "30", "--fault-tol-cfg-path", "a.yaml", "--ignore-missing-fault-tol-cfg"],
+        ["--ft-rank-heartbeat-timeout=30", "--ft-rdzv-impl", "barrier", "--ft-ignore-missing-cfg"],
+        ["--ft-a-future-option", "7", "--restart-policy", "min-healthy"],
+    ):
+        args = rendezvous_port.parse_ft_launcher_args(["--nproc-per-node=2", *options, "train.py", "--ft-x", "1"])
+        assert args is not None and args.training_script == "train.py", options
+        assert args.training_script_args == ["--ft-x", "1"] and args.nproc_per_node == "2"
+    assert rendezvous_port.parse_ft_launcher_args(["--nproc-per-node=2", "--ft-rank-heartbeat-timeout"]) is None
 
 
 @pytest.mark.timeout(30)

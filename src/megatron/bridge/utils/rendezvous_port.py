@@ -36,32 +36,40 @@ STATIC_DEFAULT_PORT = 29500
 """torchrun's ``--master-port`` when none is given."""
 TORCHRUN, FT_LAUNCHER = "torchrun", "ft_launcher"
 
-FT_LAUNCHER_OPTIONS: tuple[tuple[str, ...], ...] = (
-    ("--term-timeout", "--term_timeout"), ("--workers-stop-timeout", "--workers_stop_timeout"),
-    ("--ft-cfg-path", "--ft-cfg_path", "--fault-tol-cfg-path"),
-    ("--ft-workload-check-interval", "--ft-workload_check_interval", "--ft-param-workload_check_interval"),
-    ("--ft-initial-rank-heartbeat-timeout", "--ft-initial_rank_heartbeat_timeout",
-     "--ft-param-initial_rank_heartbeat_timeout"),
-    ("--ft-rank-heartbeat-timeout", "--ft-rank_heartbeat_timeout", "--ft-param-rank_heartbeat_timeout"),
-    ("--ft-node-health-check-interval", "--ft-node_health_check_interval", "--ft-param-node_health_check_interval"),
-    ("--ft-safety-factor", "--ft-safety_factor", "--ft-param-safety_factor"),
-    ("--ft-rank-termination-signal", "--ft-rank_termination_signal", "--ft-param-rank_termination_signal"),
-    ("--ft-log-level", "--ft-log_level", "--ft-param-log_level"),
-    ("--ft-rank-out-of-section-timeout", "--ft-rank_out_of_section_timeout",
-     "--ft-param-rank_out_of_section_timeout"),
-    ("--ft-rank-section-timeouts", "--ft-rank_section_timeouts", "--ft-param-rank_section_timeouts"),
-    ("--ft-restart-check-interval", "--ft-restart_check_interval", "--ft-param-restart_check_interval"),
-    ("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy"),
-    ("--ft-enable-nic-monitor", "--ft-enable_nic_monitor", "--ft-param-enable-nic-monitor",
-     "--ft_param_enable_nic_monitor"),
-    ("--ft-pci-topo-file", "--ft-pci_topo_file", "--ft-param-pci-topo-file", "--ft_param_pci_topo_file"),
-    ("--ft-link-down-path-template", "--ft-link_down_path_template", "--ft-param-link-down-path-template",
-     "--ft_param_link_down_path_template"),
+FT_LAUNCHER_PREFIXES = ("--ft-", "--ft_")
+"""ft_launcher's own options (every release: 0.4's ``--ft-param-*`` aliases, 0.6's and 0.7's ``--ft-*``)."""
+FT_LAUNCHER_OPTIONS = (
+    "--term-timeout", "--term_timeout", "--workers-stop-timeout", "--workers_stop_timeout",
+    "--fault-tol-cfg-path", "--restart-policy", "--restart_policy",
 )  # fmt: skip
-"""ft_launcher's options beyond torchrun's (each takes a value), so that torchrun's parser reads its arguments
-without importing ft_launcher (whose import sets up logging the standby's workers must not inherit)."""
-FT_LAUNCHER_FLAGS = ("--ignore-missing-fault-tol-cfg",)
-"""ft_launcher's options beyond torchrun's that take no value."""
+"""ft_launcher's other options beyond torchrun's that take a value (the last three: 0.4's aliases, gone in 0.6)."""
+FT_LAUNCHER_FLAGS = ("--ignore-missing-fault-tol-cfg", "--ft-ignore-missing-cfg")
+"""ft_launcher's options that take no value (0.4's spelling, 0.7's; 0.6 has none)."""
+
+
+def _without_ft_launcher_options(argv: list[str]) -> Optional[list[str]]:
+    """``argv`` without ft_launcher's own options and their values (up to the script); ``None``: one lacks its value.
+
+    So that torchrun's parser reads the rest without importing ft_launcher (whose import sets up logging the
+    standby's workers must not inherit), and without a list of ft_launcher's options that each release changes:
+    every ``--ft-*`` option takes a value, but for :data:`FT_LAUNCHER_FLAGS`.
+    """
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):  # the script or module: what follows is its own
+            return rest + argv[i:]
+        name = arg.split("=", 1)[0]
+        if name in FT_LAUNCHER_FLAGS:
+            i += 1
+        elif name.startswith(FT_LAUNCHER_PREFIXES) or name in FT_LAUNCHER_OPTIONS:
+            if "=" not in arg and i + 1 >= len(argv):
+                return None
+            i += 1 if "=" in arg else 2
+        else:
+            rest.append(arg)
+            i += 1
+    return rest
 
 
 @dataclass(frozen=True)
@@ -81,17 +89,17 @@ def parse_ft_launcher_args(argv: list[str]) -> Optional[argparse.Namespace]:
     """ft_launcher's arguments read with torchrun's parser and ft_launcher's extra options; ``None`` if unreadable."""
     from torch.distributed.run import get_args_parser
 
+    torchrun_argv = _without_ft_launcher_options(argv)
+    if torchrun_argv is None:
+        return None
     parser = get_args_parser()
-    for names in FT_LAUNCHER_OPTIONS:
-        parser.add_argument(*names, default=None)
-    parser.add_argument(*FT_LAUNCHER_FLAGS, action="store_true")
 
     def refuse(message: str) -> None:
         raise ValueError(message)
 
-    parser.error = refuse  # type: ignore[method-assign]  # an option this list lacks: no probe, never an exit
+    parser.error = refuse  # type: ignore[method-assign]  # an option no launcher knows: no probe, never an exit
     try:
-        return parser.parse_args(argv)
+        return parser.parse_args(torchrun_argv)
     except (ValueError, SystemExit):
         return None
 
