@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from tests.doc_log_lines import CHECKS, REPO, docs, fenced_blocks, missing, pattern, quoted_lines
+from tests.doc_log_lines import CHECKS, REPO, docs, fenced_blocks, missing, pattern, quote_conditions, quoted_lines
 
 DOCS = docs()
 CHECK_CALL = "assert_doc_log_lines"
@@ -138,3 +138,23 @@ def test_each_named_test_exists_and_runs_the_check(test):
     assert name in names, f"{path} has no test {name}"
     assert name in _functions_that_check(tree), f"{test} never calls {CHECK_CALL} on its run's output"
     assert CHECKS[test], f"{test} checks nothing"
+
+
+@pytest.mark.timeout(30)
+def test_a_block_for_some_releases_is_checked_only_with_them(monkeypatch):
+    from tests import doc_log_lines
+
+    text = "```log\nalways …\n```\n\n```log nvidia-resiliency-ext<0.6\nold …\n```\n\n"
+    text += "```log nvidia-resiliency-ext>=0.6\nnew …\n```\n"
+    assert quote_conditions(text) == {
+        "always …": {""}, "old …": {"nvidia-resiliency-ext<0.6"}, "new …": {"nvidia-resiliency-ext>=0.6"}
+    }  # fmt: skip
+    assert quoted_lines(text) == ["always …", "old …", "new …"]  # every release's line needs a checking test
+    monkeypatch.setattr(doc_log_lines, "docs", lambda: [doc])
+    doc = REPO / "README.md"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text)
+    import importlib.metadata as metadata
+
+    for installed, wanted in (("0.4.1", ["always …", "old …"]), ("0.7.0", ["always …", "new …"])):
+        monkeypatch.setattr(metadata, "version", lambda name, v=installed: v)
+        assert doc_log_lines.for_installed_releases(["always …", "old …", "new …"]) == wanted
