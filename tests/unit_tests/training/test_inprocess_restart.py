@@ -1,16 +1,20 @@
 """In-process restart: validation, the mapping of every config field onto the real ``inprocess.Wrapper``, teardown."""
 
 import datetime
+import logging
 import socket
 import threading
 import time
+import types
 
 import pytest
 import torch
 from tests.unit_tests.configs import base_config
 
+from megatron.bridge.training import inprocess_restart
 from megatron.bridge.training.config import InProcessRestartConfig
 from megatron.bridge.training.inprocess_restart import (
+    GPU_RESTART_CHECKS,
     RestartIteration,
     _wait_until_listening,
     build_wrapper,
@@ -165,6 +169,92 @@ def test_finalize_empties_the_cuda_cache_only_when_asked(ipr_env, monkeypatch, e
     wrapper = build_wrapper(cfg, lambda: None, lambda: None)
     wrapper.finalize(inprocess.State(rank=0, world_size=1).freeze())
     assert emptied == ([True] if empty_cuda_cache else [])
+
+
+NVRX_ADDS_GPU_CHECKS = all(hasattr(inprocess.health_check, name) for name in GPU_RESTART_CHECKS)
+"""nvidia-resiliency-ext >= 0.5: its wrapper adds GPU, NVLink and NIC checks to those it runs after a fault."""
+NO_GPU, GPU, BROKEN_DRIVER = (
+    "",
+    "torch.cuda.device_count() is 2",
+    "/dev/nvidia0 present, torch.cuda.device_count() is 0",
+)
+
+
+def _names(composed) -> list[str]:
+    return [type(part).__name__ for part in getattr(composed, "instances", () if composed is None else (composed,))]
+
+
+def _build_on(monkeypatch, caplog, evidence: str, cuda: bool):
+    """The wrapper built where ``visible_gpu()`` says ``evidence`` and CUDA is (not) available; the lines it logged."""
+    monkeypatch.setenv("LOCAL_RANK", "1")  # what makes nvidia-resiliency-ext >= 0.5 add its GPU checks
+    monkeypatch.setattr(inprocess_restart, "visible_gpu", lambda: evidence)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(inprocess_restart, "_said_left_out", False)
+    with caplog.at_level(logging.INFO, logger=inprocess_restart.__name__):
+        wrappers = [build_wrapper(InProcessRestartConfig(enabled=True), lambda: None, lambda: None) for _ in range(2)]
+    said = [
+        r.getMessage() for r in caplog.records if r.name == inprocess_restart.__name__ and "left out" in r.getMessage()
+    ]
+    return wrappers[0], said
+
+
+def test_without_a_gpu_the_checks_that_need_one_are_left_out_and_said_once(ipr_env, monkeypatch, caplog):
+    wrapper, said = _build_on(monkeypatch, caplog, NO_GPU, cuda=False)
+    restart_checks = getattr(wrapper, "restart_health_check", wrapper.health_check)  # after a fault (< 0.5: the same)
+    assert _names(wrapper.health_check) == _names(restart_checks) == ["FaultCounter"]
+    # The counter after a fault is the one before each iteration, and it passes without a GPU (it raised before).
+    assert _find(restart_checks, inprocess.health_check.FaultCounter) is _find(
+        wrapper.health_check, inprocess.health_check.FaultCounter
+    )
+    restart_checks(inprocess.State(rank=0, world_size=1).freeze())
+    left_out = ", ".join(["CudaHealthCheck", *(GPU_RESTART_CHECKS if NVRX_ADDS_GPU_CHECKS else ())])
+    assert len(said) == 1, said  # two wrappers built, one line
+    assert said[0].startswith(
+        f"in-process restart: left out the health checks that need a GPU ({left_out}): this node has no GPU "
+        "(CUDA counts none, no /dev/nvidia<N>)"
+    ), said
+    assert ("NVML and NIC errors" in said[0]) == NVRX_ADDS_GPU_CHECKS
+
+
+def test_with_a_gpu_every_check_stays_and_nothing_is_said(ipr_env, monkeypatch, caplog):
+    wrapper, said = _build_on(monkeypatch, caplog, GPU, cuda=True)
+    assert _names(wrapper.health_check) == ["FaultCounter", "CudaHealthCheck"]
+    if NVRX_ADDS_GPU_CHECKS:
+        assert _names(wrapper.restart_health_check) == ["FaultCounter", "CudaHealthCheck", *GPU_RESTART_CHECKS]
+    assert said == []
+
+
+def test_a_gpu_without_cuda_keeps_the_nvml_checks_and_leaves_out_only_cudas(ipr_env, monkeypatch, caplog):
+    # A GPU whose driver CUDA cannot use: NVML's checks stay (they report the GPU), the CUDA sync has no context.
+    wrapper, said = _build_on(monkeypatch, caplog, BROKEN_DRIVER, cuda=False)
+    assert _names(wrapper.health_check) == ["FaultCounter"]
+    if NVRX_ADDS_GPU_CHECKS:
+        assert _names(wrapper.restart_health_check) == ["FaultCounter", *GPU_RESTART_CHECKS]
+    assert said == [
+        f"in-process restart: left out the health checks that need a GPU (CudaHealthCheck): CUDA is not available "
+        f"({BROKEN_DRIVER})"
+    ]
+
+
+def test_only_the_gpu_checks_are_taken_out_of_the_restart_checks():
+    # Our logic's inputs only: a wrapper of any release, and the check classes its release has.
+    classes = {
+        name: type(name, (inprocess.health_check.HealthCheck,), {"__call__": lambda self, s: s})
+        for name in GPU_RESTART_CHECKS
+    }
+    release = types.SimpleNamespace(health_check=types.SimpleNamespace(**classes), Compose=inprocess.Compose)
+    counter = inprocess.health_check.FaultCounter()
+    wrapper = types.SimpleNamespace(restart_health_check=inprocess.Compose(counter, *(c() for c in classes.values())))
+    assert inprocess_restart._leave_out_gpu_restart_checks(release, wrapper) == list(GPU_RESTART_CHECKS)
+    assert wrapper.restart_health_check.instances == (counter,)
+    assert inprocess_restart._leave_out_gpu_restart_checks(release, wrapper) == []  # nothing left to take out
+    alone = types.SimpleNamespace(restart_health_check=classes["ChainedGPUHealthCheck"]())
+    assert inprocess_restart._leave_out_gpu_restart_checks(release, alone) == ["ChainedGPUHealthCheck"]
+    assert alone.restart_health_check is None
+    older = types.SimpleNamespace(health_check=counter)  # before 0.5: no restart checks of its own
+    bare = types.SimpleNamespace(health_check=types.SimpleNamespace(), Compose=inprocess.Compose)
+    assert inprocess_restart._leave_out_gpu_restart_checks(bare, older) == []
+    assert vars(older) == {"health_check": counter}
 
 
 def test_teardown_runs_each_step_once_and_finishes_after_an_interruption():

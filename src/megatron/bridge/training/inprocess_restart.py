@@ -20,6 +20,12 @@ Mapping of :class:`InProcessRestartConfig` onto the wrapper (every field reaches
 - ``max_rank_faults``: a fault-counting health check that retires a rank past that many faults;
 - ``monitor_process_logdir``: one monitor-process log per rank in that directory.
 
+Health checks, before every iteration and after every fault: the fault counter, and the CUDA context check where
+CUDA is available. nvidia-resiliency-ext >= 0.5 adds its own GPU (NVML), NVLink and NIC checks of GPU ``LOCAL_RANK``
+to those after a fault. On a node without a GPU they fail (no NVML) and would end the wrapper at the first restart,
+so there they are left out, decided when the wrapper is built; each rank names what it left out, and why, in one
+log line. On a node with a GPU they all run.
+
 The progress watchdog is fed from the train loop (:meth:`RestartIteration.ping` after every step and save, and by
 ``pretrain`` after each setup phase): a rank that stops completing them, whether it holds the GIL or waits with it
 released, is declared hung after ``soft_timeout`` even while its threads stay alive.
@@ -41,6 +47,7 @@ import torch.distributed as dist
 
 from megatron.bridge.training import event_stream
 from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, InProcessRestartConfig
+from megatron.bridge.training.device_health import visible_gpu
 from megatron.bridge.training.event_stream import EventKind, RestartLayer
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils.optional_imports import require
@@ -49,6 +56,11 @@ logger = logging.getLogger(__name__)
 
 MONITOR_THREAD_STORE = "nvidia_resiliency_ext.inprocess.monitor_thread:MonitorThread.store"
 """The wrapper's store, held by the monitor thread that calls the abort step (listed in ``utils/upstream.py``)."""
+WRAPPER_RESTART_HEALTH_CHECK = "nvidia_resiliency_ext.inprocess.wrap:Wrapper.restart_health_check"
+"""The checks a wrapper (nvidia-resiliency-ext >= 0.5) runs after a fault (listed in ``utils/upstream.py``)."""
+GPU_RESTART_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
+"""The checks of ``inprocess.health_check`` that such a wrapper adds for device ``LOCAL_RANK``: they need a GPU."""
+_said_left_out = False
 
 
 @dataclass
@@ -236,8 +248,11 @@ def build_wrapper(
             super().__init__(**kwargs)
 
     health_checks = [inprocess.health_check.FaultCounter(max_rank_faults=cfg.max_rank_faults)]
+    left_out = []
     if torch.cuda.is_available():  # needs a GPU: on a CPU machine there is no device to synchronize with
         health_checks.append(inprocess.health_check.CudaHealthCheck(timeout=seconds(seconds=10)))
+    else:
+        left_out.append("CudaHealthCheck")
     initial_world_size = int(os.environ.get("WORLD_SIZE", "1"))
     active = cfg.active_world_size or initial_world_size
     log_file = None
@@ -245,7 +260,7 @@ def build_wrapper(
         os.makedirs(cfg.monitor_process_logdir, exist_ok=True)
         log_file = os.path.join(os.path.abspath(cfg.monitor_process_logdir), "monitor_process_{rank}.log")
     master_port = int(os.environ["MASTER_PORT"])
-    return inprocess.Wrapper(
+    wrapper = inprocess.Wrapper(
         store_factory=PromptTCPStore,
         store_kwargs={
             "port": master_port + INPROCESS_STORE_PORT_OFFSET,
@@ -280,6 +295,50 @@ def build_wrapper(
         barrier_timeout=seconds(seconds=cfg.barrier_timeout),
         completion_timeout=seconds(seconds=cfg.completion_timeout),
         monitor_process_logfile=log_file,
+    )
+    gpu = visible_gpu()
+    if not gpu:
+        left_out += _leave_out_gpu_restart_checks(inprocess, wrapper)
+    _say_left_out(left_out, gpu)
+    return wrapper
+
+
+def _leave_out_gpu_restart_checks(inprocess: Any, wrapper: Any) -> list[str]:
+    """Take the wrapper's own GPU, NVLink and NIC checks out of its restart checks; return their class names.
+
+    For a node without a GPU. nvidia-resiliency-ext >= 0.5 runs ``restart_health_check`` after every fault: our
+    ``health_check`` plus these checks of GPU ``LOCAL_RANK``, which it adds whenever ``LOCAL_RANK`` is set. Without
+    a GPU (no NVML) the GPU check fails and the NVLink check raises, so every restart would end the wrapper (exit
+    22). Older releases have neither: nothing to do.
+    """
+    attr = WRAPPER_RESTART_HEALTH_CHECK.rsplit(".", 1)[-1]
+    composed = getattr(wrapper, attr, None)
+    gpu_classes = tuple(
+        cls for name in GPU_RESTART_CHECKS if isinstance(cls := getattr(inprocess.health_check, name, None), type)
+    )
+    if composed is None or not gpu_classes:
+        return []
+    checks = getattr(composed, "instances", (composed,))
+    dropped = [type(check).__name__ for check in checks if isinstance(check, gpu_classes)]
+    if dropped:
+        kept = [check for check in checks if not isinstance(check, gpu_classes)]
+        setattr(wrapper, attr, inprocess.Compose(*kept) if kept else None)
+    return dropped
+
+
+def _say_left_out(left_out: list[str], gpu: str) -> None:
+    """Log, once per process, which health checks were left out for want of a GPU, and why."""
+    global _said_left_out
+    if not left_out or _said_left_out:
+        return
+    _said_left_out = True
+    why = f"CUDA is not available ({gpu})" if gpu else "this node has no GPU (CUDA counts none, no /dev/nvidia<N>)"
+    built = any(name in GPU_RESTART_CHECKS for name in left_out)
+    logger.info(
+        "in-process restart: left out the health checks that need a GPU (%s): %s%s",
+        ", ".join(left_out),
+        why,
+        "; nvidia-resiliency-ext's NVML and NIC errors logged while it built them are expected here" if built else "",
     )
 
 
