@@ -1,7 +1,8 @@
 """Local checkpoint tier drills: a lost node's shards come back from a replica; a bad local tier falls back to global.
 
 "Two nodes" on one machine: two ft_launcher agents (``--nnodes=2``, one rank each) sharing a c10d rendezvous, each
-with its own node-local directory. A node is lost by SIGKILLing its agent and worker and deleting its directory; a
+with its own node-local directory (``NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1``: nvidia-resiliency-ext 0.6 and later
+refuse two agents on one host otherwise). A node is lost by SIGKILLing its agent and worker and deleting its directory; a
 replacement agent joins the job, as a spare node would.
 """
 
@@ -48,6 +49,9 @@ class Job:
         self.out = out
         cmd = [*launcher, str(ENTRY), f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", *BASE, *LOCAL, *overrides]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": self.marker}
+        # Two "nodes" on one host on purpose: from nvidia-resiliency-ext 0.6 the rendezvous closes the job when two
+        # launchers join from one host (a misconfiguration on a cluster), unless this says it is meant.
+        env["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"
         env.pop("MBRIDGE_FAULTS", None)
         if faults:
             env["MBRIDGE_FAULTS"] = faults
