@@ -2,8 +2,8 @@
 
 "Two nodes" on one machine: two ft_launcher agents (``--nnodes=2``, one rank each) sharing a c10d rendezvous, each
 with its own node-local directory (``NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1``: nvidia-resiliency-ext 0.6 and later
-refuse two agents on one host otherwise). A node is lost by SIGKILLing its agent and worker and deleting its directory; a
-replacement agent joins the job, as a spare node would.
+refuse two agents on one host otherwise). A node is lost by SIGKILLing its agent and worker and deleting its
+directory; a replacement agent joins the job, as a spare node would.
 """
 
 import os

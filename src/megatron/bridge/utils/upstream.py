@@ -35,12 +35,13 @@ logger = logging.getLogger(__name__)
 
 CHECKED_AGAINST = {
     "torch": ("2.13.0",),
-    "megatron-core": ("0.16.1",),
+    "megatron-core": ("0.16.1", "0.17.1", "0.18.2", "0.19.2"),
     "nvidia-resiliency-ext": ("0.4.1", "0.6.0", "0.7.0"),
 }
-"""The releases every symbol below was checked against: the unit test ran with each (``scripts/run_tests.sh --nvrx``
-runs it against the other nvidia-resiliency-ext releases). A symbol with a :attr:`Symbol.when` was checked against
-those of its package's releases that the condition admits."""
+"""The releases every symbol below was checked against: each resolves in them (``test_upstream.py``, which
+``scripts/run_tests.sh --nvrx VERSION`` runs against the other nvidia-resiliency-ext releases; megatron-core 0.17 to
+0.19 need Python 3.12, so they were checked once, with nvidia-resiliency-ext 0.7.0, re-tagged for Python 3.11). A
+symbol with a :attr:`Symbol.when` was checked against those of its package's releases that the condition admits."""
 
 _PACKAGE_OF = {"torch": "torch", "megatron": "megatron-core", "nvidia_resiliency_ext": "nvidia-resiliency-ext"}
 
@@ -112,6 +113,9 @@ NVRX_OWN_ELASTIC = "nvidia-resiliency-ext<0.6"
 """Releases whose ``ft_launcher`` runs on the package's own copy of torch elastic (``_torch_elastic_compat``)."""
 NVRX_TORCH_ELASTIC = "nvidia-resiliency-ext>=0.6"
 """Releases whose ``ft_launcher`` runs on torch's elastic agent: workers start and ports are picked there."""
+
+MCORE_FORKING_WRITER = f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data_multiproc"
+"""megatron-core's bucket writer that forks a process per bucket (before 0.17)."""
 
 _TORCH_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 _NVRX_HANDLER = (
@@ -225,9 +229,11 @@ SYMBOLS: tuple[Symbol, ...] = (
         "checkpoint/async_writer.py: a results queue in files, without upstream's manager process",
     ),
     Symbol(
-        f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data_multiproc",
+        MCORE_FORKING_WRITER,
         "read",
-        "checkpoint/async_writer.py: recognise upstream's per-bucket forking writer, to write in one process",
+        "checkpoint/async_writer.py: recognise upstream's per-bucket forking writer, to write in one process "
+        "(megatron-core 0.17 writes with threads instead)",
+        when="megatron-core<0.17",
     ),
     Symbol(
         f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data",
@@ -323,6 +329,13 @@ SYMBOLS: tuple[Symbol, ...] = (
     *(
         Symbol(f"{_RANK_MONITOR}.{attr}", "state", "launcher_events.py: the rank monitor's timeout state")
         for attr in ("rank_info", "open_sections", "out_of_section_time", "last_hb_time", "start_time", "cfg")
+    ),
+    Symbol(
+        "nvidia_resiliency_ext.inprocess.wrap:Wrapper.restart_health_check",
+        "state",
+        "inprocess_restart.py: the checks the wrapper runs after a fault; on a node without a GPU its own GPU, "
+        "NVLink and NIC checks are taken out of it (they fail without NVML)",
+        when="nvidia-resiliency-ext>=0.5",
     ),
     Symbol(
         "nvidia_resiliency_ext.inprocess.monitor_thread:MonitorThread.store",

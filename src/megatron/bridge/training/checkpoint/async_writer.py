@@ -128,7 +128,8 @@ def _in_process_bucket_writer(write_fn: Any) -> Any:
     """:func:`_write_buckets_here` bound like ``write_fn`` if that is megatron-core's multi-process bucket writer."""
     if (
         isinstance(write_fn, functools.partial)
-        and write_fn.func is upstream.find(f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data_multiproc")
+        and upstream.applicable((upstream.MCORE_FORKING_WRITER,)) is not None
+        and write_fn.func is upstream.find(upstream.MCORE_FORKING_WRITER)
         and len(write_fn.args) == 2
         and not write_fn.keywords
     ):
