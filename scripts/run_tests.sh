@@ -3,6 +3,8 @@
 #
 #   bash scripts/run_tests.sh          # everything (CI): lint, the unit tier, then the functional fault drills
 #   bash scripts/run_tests.sh --fast   # lint and the unit tier only (our own logic, on 2 workers; under 3 minutes)
+#   bash scripts/run_tests.sh --nvrx 0.7.0   # a release lane: the unit tier and the drills of tests/nvrx_lane.txt
+#                                            # against that nvidia-resiliency-ext release (scripts/setup_nvrx_lane.sh)
 #
 # Extra arguments go to pytest. The functional tier (real 2-rank runs on CPU with gloo, real Slurm) runs on
 # PYTEST_WORKERS parallel workers (default 3: most drills wait on timeouts, signals and restarts rather than compute);
@@ -15,20 +17,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 fast=0
+nvrx=""
 if [ "${1:-}" = "--fast" ]; then
   fast=1
   shift
+elif [ "${1:-}" = "--nvrx" ]; then
+  nvrx=${2:?usage: run_tests.sh --nvrx VERSION}
+  shift 2
 fi
 
 install_start=$(date +%s)
 bash scripts/setup_env.sh
-[ "$fast" = 1 ] || bash scripts/setup_slurm.sh
-echo "[tests] install took $(( $(date +%s) - install_start )) s"
-export PATH="$PWD/.venv/bin:$PATH"
-
-echo "[tests] ruff"
-ruff check src tests examples benchmarks
-ruff format --check src tests examples benchmarks
+if [ -n "$nvrx" ]; then
+  lane=$(bash scripts/setup_nvrx_lane.sh "$nvrx" | tail -1)
+  export LANE_BIN="$PWD/$lane/bin"  # scripts/run_main_job.sh puts it first too
+  export PATH="$LANE_BIN:$PWD/.venv/bin:$PATH"
+  echo "[tests] lane: nvidia-resiliency-ext $nvrx ($lane); install took $(( $(date +%s) - install_start )) s"
+else
+  [ "$fast" = 1 ] || bash scripts/setup_slurm.sh
+  echo "[tests] install took $(( $(date +%s) - install_start )) s"
+  export PATH="$PWD/.venv/bin:$PATH"
+  echo "[tests] ruff"
+  ruff check src tests examples benchmarks
+  ruff format --check src tests examples benchmarks
+fi
 
 basetemp=$(mktemp -d "${TMPDIR:-/tmp}/mbridge-tests.XXXXXX")
 # What the runs leave in the temporary directory (torch elastic's torchelastic_* log folders, one per launch) goes
@@ -48,7 +60,14 @@ start=$(date +%s)
 echo "[tests] unit tier"
 run unit tests -m "not functional" -q --durations=10 -n 2 "$@"
 echo "[tests] unit tier took $(( $(date +%s) - start )) s"
-if [ "$fast" = 0 ]; then
+if [ -n "$nvrx" ]; then
+  func_start=$(date +%s)
+  echo "[tests] the drills of tests/nvrx_lane.txt on ${PYTEST_WORKERS:-3} workers"
+  mapfile -t lane_tests < <(grep -v '^#' tests/nvrx_lane.txt | grep -v '^[[:space:]]*$')
+  run lane "${lane_tests[@]}" -m functional -v --durations=10 -n "${PYTEST_WORKERS:-3}" --dist loadscope \
+    --no-loadscope-reorder "$@"
+  echo "[tests] lane drills took $(( $(date +%s) - func_start )) s"
+elif [ "$fast" = 0 ]; then
   func_start=$(date +%s)
   echo "[tests] functional tier on ${PYTEST_WORKERS:-3} workers"
   run functional tests -m "functional and not serial" -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadscope \
