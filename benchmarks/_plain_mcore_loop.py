@@ -13,6 +13,11 @@ so ``llama_throughput.py`` parses both runs alike. With ``LLAMA_THROUGHPUT_WAITS
 seconds every ``next(data_iterator)`` took to ``<dir>/plain_rank<N>.json`` at exit.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/_plain_mcore_loop.py --data-prefix P [--steps 60]
+        [--override model.hidden_size=1024 ...]
+
+``--override`` takes the framework's dotted ``key=value`` form (``training/utils/overrides.py``), applied to the
+recipe's config before anything is built, so a run of the framework with the same overrides trains the same model (the
+GPU check, ``scripts/gpu_check.py``, scales the recipe up this way). The header line also gives the parameter count.
 """
 
 import argparse
@@ -73,6 +78,9 @@ def main() -> None:
     parser.add_argument("--data-prefix", required=True, help="indexed dataset prefix (<prefix>.bin/.idx)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--pin-cores", action="store_true", help="on CPU, pin each rank to its share of the cores")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="a dotted config override (repeatable)"
+    )
     args = parser.parse_args()
 
     rank = os.environ.get("RANK", "0")
@@ -98,9 +106,11 @@ def main() -> None:
     from megatron.bridge.data.builders import build_train_valid_test_data_iterators
     from megatron.bridge.recipes.llama.llama3 import llama3_tiny_pretrain_config
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron.bridge.training.utils.overrides import apply_overrides
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    cfg = llama3_tiny_pretrain_config(data_paths=[args.data_prefix], train_iters=args.steps)
+    recipe = llama3_tiny_pretrain_config(data_paths=[args.data_prefix], train_iters=args.steps)
+    cfg = apply_overrides(recipe, args.override)
     cfg.validate()  # finalizes the provider and the dataset config, derives the scheduler's lengths
     torch.manual_seed(cfg.rng.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.rng.seed)
@@ -132,9 +142,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         logger.info(
             "recipe llama3_tiny_pretrain_config: global batch %d, micro batch %d, seq length %d, data parallel %d, "
-            "loader workers %d, distributed optimizer %s, device %s",
+            "loader workers %d, distributed optimizer %s, device %s, parameters %d",
             gbs, mbs, cfg.model.seq_length, dp_size, cfg.dataset.num_workers, cfg.optimizer.use_distributed_optimizer,
-            device,
+            device, sum(p.numel() for p in model.parameters()),
         )  # fmt: skip
     waits: list[float] = []
     data_iterator = TimedIterator(train_iter, waits)
