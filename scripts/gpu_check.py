@@ -499,6 +499,7 @@ def _mean_kept(times: dict[int, float]) -> Optional[float]:
 def run_part(part: Part, fn: Callable[[Part], None]) -> Part:
     """Run one part, recording its outcome; a failure is recorded, never raised."""
     print(f"\n[gpu_check] part {part.key}: {part.title}", flush=True)
+    part.problems.clear()  # "not run" until now
     start = time.monotonic()
     try:
         fn(part)
@@ -545,32 +546,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         "d": "straggler detection on device timing",
         "e": "throughput and MFU vs plain megatron-core; async vs sync save",
     }  # fmt: skip
-    parts = {key: Part(key, title) for key, title in titles.items()}
+    parts = {key: Part(key, title, problems=["not run: the check ended before it"]) for key, title in titles.items()}
+    from megatron.bridge.utils import provenance
+
+    def report() -> dict[str, Any]:
+        return {
+            "mode": mode.name, "passed": all(p.passed for p in parts.values()),
+            "seconds": round(time.monotonic() - started, 1), "provenance": provenance.collect(REPO).to_json(),
+            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "model": {**mode.dims, "recipe": RECIPE, "iterations": ITERS, "fault_at": FAULT_AT,
+                      "dtype": "bf16" if cuda else "fp32", "backend": "nccl" if cuda else "gloo"},
+            "peaks_tflops": {name: peak / 1e12 for name, peak in PEAKS},
+            "parts": [parts[k].to_json() for k in sorted(parts)],
+        }  # fmt: skip
+
     order = "bcdea"  # the parts that need the device first: the unit tier gets what is left of the budget
     if not args.dry_run and not cuda:
         for part in parts.values():
-            part.problems.append("no CUDA device visible (use --dry-run on a CPU machine)")
+            part.problems = ["no CUDA device visible (use --dry-run on a CPU machine)"]
     else:
         fns = {"a": check.unit_tier, "b": check.kill_and_resume, "c": check.inprocess_restart,
                "d": check.straggler, "e": check.throughput}  # fmt: skip
         for key in order:
             run_part(parts[key], fns[key])
             check.release(keep_reference=key == "b")  # part c compares with the fault-free run too
-    from megatron.bridge.utils import provenance
-
-    report = {
-        "mode": mode.name, "passed": all(p.passed for p in parts.values()),
-        "seconds": round(time.monotonic() - started, 1), "provenance": provenance.collect(REPO).to_json(),
-        "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "model": {**mode.dims, "recipe": RECIPE, "iterations": ITERS, "fault_at": FAULT_AT,
-                  "dtype": "bf16" if cuda else "fp32", "backend": "nccl" if cuda else "gloo"},
-        "peaks_tflops": {name: peak / 1e12 for name, peak in PEAKS},
-        "parts": [parts[k].to_json() for k in sorted(parts)],
-    }  # fmt: skip
-    write_reports(report, args.outdir, scratch)
+            write_reports(report(), args.outdir, scratch)  # after every part: a check killed later leaves these
+    final = report()
+    write_reports(final, args.outdir, scratch)
     shutil.rmtree(scratch, ignore_errors=True)
-    print(f"[gpu_check] {'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']} s; report in {args.outdir}")
-    return 0 if report["passed"] else 1
+    print(f"[gpu_check] {'PASSED' if final['passed'] else 'FAILED'} in {final['seconds']} s; report in {args.outdir}")
+    return 0 if final["passed"] else 1
 
 
 if __name__ == "__main__":
