@@ -276,6 +276,21 @@ def test_teardown_runs_each_step_once_and_finishes_after_an_interruption():
     assert calls == ["a", "b", "b", "c"]
 
 
+def test_a_failing_teardown_step_is_logged_and_the_later_ones_still_run(caplog):
+    calls = []
+
+    def half_closed_writer():
+        calls.append("close")
+        raise OSError("Writer is closed")
+
+    teardown = _Teardown(lambda: [half_closed_writer, lambda: calls.append("rank monitor client shut down")])
+    with caplog.at_level(logging.WARNING):
+        teardown()
+    teardown()  # nothing left: the failed step is not retried
+    assert calls == ["close", "rank monitor client shut down"]
+    assert "half_closed_writer failed (OSError: Writer is closed); going on" in caplog.text
+
+
 def test_cleanups_go_on_after_a_failure():
     calls = []
     restart = RestartIteration(iteration=0)

@@ -155,19 +155,19 @@ def _refuse_set(config: "TokenizerConfig", names: Sequence[str], what: str) -> N
 
 def _null_tokenizer(vocab_size: int) -> MegatronTokenizerBase:
     """megatron-core's null tokenizer with ids ``0 .. vocab_size - 1`` (the last the end-of-document id)."""
-    tokenizer = None
     for library in ("null", "null-text"):  # megatron-core renamed the library after 0.16
-        try:
-            tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size - 1)
-            break
-        except (KeyError, AttributeError, ValueError):
-            continue
-    if tokenizer is None or tokenizer.vocab_size != vocab_size or tokenizer.eod != vocab_size - 1:
-        raise RuntimeError(
-            "megatron-core's NullTokenizer no longer has vocab_size + 1 ids with its end-of-document id last; "
-            "update megatron.bridge.data.tokenization._null_tokenizer"
-        )
-    return tokenizer
+        # Up to 0.16 it adds the end-of-document id to the size asked for; 0.19 counts it in.
+        for asked in (vocab_size - 1, vocab_size):
+            try:
+                tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=asked)
+            except (KeyError, AttributeError, ValueError, AssertionError):  # 0.19 asserts a path for a name it lacks
+                break
+            if tokenizer.vocab_size == vocab_size and tokenizer.eod == vocab_size - 1:
+                return tokenizer
+    raise RuntimeError(
+        "megatron-core's NullTokenizer gives no vocabulary of exactly vocab_size ids with its end-of-document id last; "
+        "update megatron.bridge.data.tokenization._null_tokenizer"
+    )
 
 
 def _huggingface_tokenizer(config: "TokenizerConfig") -> "LocalHuggingFaceTokenizer":

@@ -404,8 +404,11 @@ class _Teardown:
     """The end of one run, in order; each step runs once, and a second call finishes what an interrupted one left.
 
     The steps are listed at the first call (from what the run had built by then). An in-process restart can
-    interrupt the ``finally`` of an aborted iteration; the wrapper's finalize step calls this again before the next
-    iteration starts.
+    interrupt the ``finally`` of an aborted iteration (its interruption is a ``BaseException``): the step it struck
+    stays, and the wrapper's finalize step calls this again before the next iteration starts. A step that fails
+    (an ``Exception``, such as a writer an interrupted close left half-closed) is logged and dropped, and the steps
+    after it still run: otherwise one broken close would keep the rank monitor's connection open for good, and the
+    next iteration would wait on it.
     """
 
     def __init__(self, list_steps: Callable[[], list[Callable[[], None]]]) -> None:
@@ -416,8 +419,18 @@ class _Teardown:
         if self._list_steps is not None:
             self._steps, self._list_steps = self._list_steps(), None  # the closure holds the model: let it go
         while self._steps:
-            self._steps[0]()  # removed once done: a step interrupted half-way runs again on the next call
+            step = self._steps[0]
+            try:
+                step()  # removed once done: a step interrupted half-way runs again on the next call
+            except Exception as err:  # noqa: BLE001 - a failed step must not hold back the ones after it
+                logger.warning("teardown: %s failed (%s: %s); going on", _step_name(step), type(err).__name__, err)
             self._steps.pop(0)
+
+
+def _step_name(step: Callable[[], None]) -> str:
+    """A teardown step's name for the log (a partial's function)."""
+    func = getattr(step, "func", step)
+    return getattr(func, "__qualname__", None) or repr(func)
 
 
 def main(
