@@ -1,6 +1,8 @@
 """Workers forked from the launcher's pre-imported standby behave like workers started as fresh interpreters.
 
-A tiny entry script under ``python -m megatron.bridge.launch`` (torchrun) reports what a worker can see: whether
+A tiny entry script under ``python -m megatron.bridge.launch`` (torchrun) and ``python -m megatron.bridge.ft_launch``
+(ft_launcher, whose workers start through its own copy of torch elastic before nvidia-resiliency-ext 0.6 and through
+torch's from 0.6 on) reports what a worker can see: whether
 megatron-core was already imported (forked) or not (a fresh interpreter), its name, arguments, environment, session
 and parent; then rank 1 raises, which must fail the launch with its traceback (exit codes through the standby:
 every drill that expects 18, 21 or a restart). The opt-out flag: tests/unit_tests/test_standby.py.
@@ -10,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from tests.resources import free_port
 
 SCRIPT = textwrap.dedent(
@@ -31,11 +34,21 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _launch(tmp_path, *args: str) -> tuple[subprocess.Popen, str, str, list[list[str]]]:
+LAUNCHERS = {
+    "torchrun": lambda: ["megatron.bridge.launch", f"--master-port={free_port()}"],
+    "ft_launcher": lambda: [
+        "megatron.bridge.ft_launch", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+    ],
+}  # fmt: skip
+
+
+def _launch(tmp_path, *args: str, launcher: str = "torchrun") -> tuple[subprocess.Popen, str, str, list[list[str]]]:
     script = tmp_path / "report.py"
     script.write_text(SCRIPT)
+    module, *options = LAUNCHERS[launcher]()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron.bridge.launch", "--nproc-per-node=2", f"--master-port={free_port()}", *args],
+        [sys.executable, "-m", module, "--nproc-per-node=2", *options, *args],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     out, err = proc.communicate(timeout=120)
@@ -43,8 +56,9 @@ def _launch(tmp_path, *args: str) -> tuple[subprocess.Popen, str, str, list[list
     return proc, out, err, reports
 
 
-def test_forked_workers_see_what_a_fresh_interpreter_sees_and_fail_the_same_way(tmp_path):
-    proc, out, err, reports = _launch(tmp_path, "report.py", "ok")
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_forked_workers_see_what_a_fresh_interpreter_sees_and_fail_the_same_way(tmp_path, launcher):
+    proc, out, err, reports = _launch(tmp_path, "report.py", "ok", launcher=launcher)
     assert len(reports) == 2, out + err[-3000:]
     for rank, (got_rank, preloaded, name, rest) in enumerate(reports):
         assert (got_rank, preloaded, name) == (str(rank), "True", "__main__"), out

@@ -89,7 +89,14 @@ def test_the_workers_code_replaces_ft_launchers_1_a_stop_code_first(capsys):
     failures.seen({0: failure(42, 1000)})
     assert failures.exit_code(1) == 42 and "(not one of ours)" in capsys.readouterr().err
     failures.seen({})  # the restarted workers run healthy: the old failure no longer names the job's end
-    assert failures.exit_code(1) == 1
+    assert failures.exit_code(1) == 1 and failures.exit_code(0) == 0
+
+
+def test_a_launcher_that_exits_0_after_its_workers_failed_exits_with_their_code(capsys):
+    failures = ft_launch.WorkerFailures()  # nvrx 0.4 with --max-restarts=0: "Agent .run() is OK", exit 0
+    failures.seen({1: types.SimpleNamespace(exitcode=1, timestamp=1000)})
+    assert failures.exit_code(0) == 1
+    assert "ft_launcher exits 0 though its workers failed (exit code 1)" in capsys.readouterr().err
 
 
 def test_a_launcher_that_ends_after_a_stop_code_exits_with_it(monkeypatch, capsys):

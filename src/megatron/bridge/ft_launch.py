@@ -187,8 +187,16 @@ class WorkerFailures:
         return code if code in STOP_CODES else None
 
     def exit_code(self, launcher_code: int) -> int:
-        """The job's exit code: the workers' (:func:`job_exit_code`) where ft_launcher's 1 hides it, else its own."""
+        """The job's exit code: the workers' (:func:`job_exit_code`) where ft_launcher's 1 hides it, else its own.
+
+        nvidia-resiliency-ext 0.4 with ``--max-restarts=0`` exits 0 after its workers failed ("Agent .run() is OK. No
+        failures in the result"): the workers' code replaces that 0 too.
+        """
         workers = job_exit_code(self.codes) if self.codes else None
+        if launcher_code == 0 and workers not in (None, 0):
+            print(f"ft_launch: ft_launcher exits 0 though its workers failed (exit code {workers}) and none was "
+                  "restarted; the launcher exits with their code", file=sys.stderr)  # fmt: skip
+            return workers
         if launcher_code != 1 or workers in (None, 1):
             return launcher_code
         known = {int(c): c.name for c in ExitCode}
