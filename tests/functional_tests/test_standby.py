@@ -2,7 +2,8 @@
 
 A tiny entry script under ``python -m megatron.bridge.launch`` (torchrun) and ``python -m megatron.bridge.ft_launch``
 (ft_launcher, whose workers start through its own copy of torch elastic before nvidia-resiliency-ext 0.6 and through
-torch's from 0.6 on) reports what a worker can see: whether
+torch's from 0.6 on) reports what a worker can see (and, under ft_launch, that the port its
+rank 0's store listens on was picked outside the kernel's ephemeral range: ft_launch's port fix holds): whether
 megatron-core was already imported (forked) or not (a fresh interpreter), its name, arguments, environment, session
 and parent; then rank 1 raises, which must fail the launch with its traceback (exit codes through the standby:
 every drill that expects 18, 21 or a restart). The opt-out flag: tests/unit_tests/test_standby.py.
@@ -22,7 +23,7 @@ SCRIPT = textwrap.dedent(
     print(
         "REPORT", os.environ["RANK"], "megatron.core" in sys.modules, __name__, sys.argv[1:],
         os.getsid(0) == os.getpid(), os.getppid(), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"),
-        flush=True,
+        os.environ["MASTER_PORT"], flush=True,
     )
     if os.environ["RANK"] == "0":
         open("rank0.done", "w").close()
@@ -62,8 +63,11 @@ def test_forked_workers_see_what_a_fresh_interpreter_sees_and_fail_the_same_way(
     assert len(reports) == 2, out + err[-3000:]
     for rank, (got_rank, preloaded, name, rest) in enumerate(reports):
         assert (got_rank, preloaded, name) == (str(rank), "True", "__main__"), out
-        argv, session, parent, threads, omp = rest.rsplit(" ", 4)
+        argv, session, parent, threads, omp, port = rest.rsplit(" ", 5)
         # its own arguments, its own session (the launcher signals the group), the launcher as parent, torch's thread
         # count as OMP_NUM_THREADS set it
         assert (argv, session, parent, threads) == ("['ok']", "True", str(proc.pid), omp), out
+        if launcher == "ft_launcher":  # ft_launch's port fix applies to the installed release's pick of the port
+            low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+            assert not low <= int(port) <= high, f"MASTER_PORT {port} is in the ephemeral range {low}-{high}"
     assert proc.returncode == 1 and "RuntimeError: boom from the worker" in err, err[-3000:]
