@@ -177,7 +177,8 @@ def test_without_transformer_engine_the_default_layer_spec_is_the_local_one(monk
     assert set(sys.modules) == loaded  # the answer came without importing anything
     provider = LlamaTinyModelProvider()
     assert provider.transformer_layer_spec is gpt_provider.default_layer_spec
-    assert gpt_provider.default_layer_spec(provider) == gpt_provider.local_layer_spec(provider)
+    # By their text: from megatron-core 0.19 a spec holds a functools.partial, which equals no other partial.
+    assert repr(gpt_provider.default_layer_spec(provider)) == repr(gpt_provider.local_layer_spec(provider))
 
 
 def test_where_transformer_engine_is_usable_the_default_layer_spec_is_its_own(monkeypatch):

@@ -10,9 +10,15 @@ from megatron.bridge.training.checkpoint import async_writer
 def test_megatron_core_bucket_writer_is_replaced_and_others_are_kept():
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    upstream = functools.partial(FileSystemWriterAsync.write_preloaded_data_multiproc, [], False)
-    replaced = async_writer._in_process_bucket_writer(upstream)
-    assert replaced.func is async_writer._write_buckets_here and replaced.args == ([], False)
+    from megatron.bridge.utils import upstream
+
+    if upstream.applicable((upstream.MCORE_FORKING_WRITER,)) is not None:  # megatron-core < 0.17: a process a bucket
+        forking = functools.partial(upstream.get(upstream.MCORE_FORKING_WRITER), [], False)
+        replaced = async_writer._in_process_bucket_writer(forking)
+        assert replaced.func is async_writer._write_buckets_here and replaced.args == ([], False)
+    else:  # 0.17 and later write with threads in the one process: their writer is kept as it is
+        threaded = functools.partial(FileSystemWriterAsync.write_preloaded_data_multithread, [], False)
+        assert async_writer._in_process_bucket_writer(threaded) is None
     assert async_writer._in_process_bucket_writer(print) is None
 
 

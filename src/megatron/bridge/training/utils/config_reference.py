@@ -125,7 +125,7 @@ def render() -> str:
     from megatron.bridge.data.config import MockGPTDatasetConfig
     from megatron.bridge.training.config import ConfigContainer
 
-    lines: list[str] = []
+    lines: list[str] = [f"{RELEASE_LINE}{megatron_core_release()}.", ""]
     for f in dataclasses.fields(ConfigContainer):
         if f.name in MEGATRON_CORE_SECTIONS:
             what, note = MEGATRON_CORE_SECTIONS[f.name]
@@ -171,6 +171,23 @@ def rewrite(path: Path) -> bool:
     if new != text:
         path.write_text(new)
     return new != text
+
+
+RELEASE_LINE = "Generated from the config classes of megatron-core "
+"""How the generated part begins: the megatron-core release whose fields and docstrings it shows."""
+
+
+def megatron_core_release() -> str:
+    """The installed megatron-core release."""
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def documented_release(path: Path) -> str:
+    """The megatron-core release the page at ``path`` was generated from (``"unknown"`` if it does not say)."""
+    first = generated_part(path).lstrip("\n").splitlines()[0]
+    return first[len(RELEASE_LINE) :].rstrip(".") if first.startswith(RELEASE_LINE) else "unknown"
 
 
 def generated_part(path: Path) -> str:
