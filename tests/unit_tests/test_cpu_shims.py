@@ -15,6 +15,9 @@ def test_shims_answer_cuda_queries_on_cpu():
     assert mcore_utils.torch.cuda.current_device() == torch.device("cpu")
     assert mcore_utils.torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.cuda.current_device.__module__ == "torch.cuda"  # the global torch is untouched
+    stream = mcore_utils.torch.cuda.current_stream()  # megatron-core 0.19's gradient buffers wait on it
+    stream.wait_stream(stream)
+    assert stream == torch.cpu.current_stream()
     state = upstream.get("megatron.core.tensor_parallel.random:_get_cuda_rng_state")()
     a = torch.rand(3)
     upstream.get("megatron.core.tensor_parallel.random:_set_cuda_rng_state")(state)

@@ -264,10 +264,10 @@ def _final_summary(path: Path, train_iters: int) -> Optional[dict]:
 
 def _compare(reference: Path, drill: Path) -> tuple[Optional[bool], list[str], list["PartCount"]]:
     """Whether the drill's final checkpoint equals the reference's, what differs or is missing, what was compared."""
-    from megatron.bridge.training.checkpoint import compare
+    from megatron.bridge.training.checkpoint import compare, manifest
 
     for path in (reference, drill):
-        if not (path / "common.pt").exists():
+        if not (path / manifest.MANIFEST_NAME).exists():  # written at the commit, whatever the upstream format
             return False, [f"{path} holds no committed checkpoint"], []
     try:
         a, b = compare.checkpoint_state(reference), compare.checkpoint_state(drill)

@@ -87,6 +87,11 @@ class _CudaView:
         """No-op: CPU ops have completed when they return."""
 
     @staticmethod
+    def current_stream(device: Any = None) -> Any:
+        """The CPU stream, whose waits are no-ops (megatron-core 0.19's gradient buffers wait on CUDA events)."""
+        return torch.cpu.current_stream()
+
+    @staticmethod
     def get_rng_state(device: Any = None) -> torch.Tensor:
         """The CPU default generator's state (the RNG tracker lives on the CPU generator)."""
         return torch.get_rng_state()
@@ -280,6 +285,10 @@ def _shim_dist_checkpointing() -> None:
     _install_torch_view("megatron.core.dist_checkpointing.strategies.state_dict_saver")
     # async save: TemporalAsyncCaller.schedule_async_call calls torch.cuda.synchronize() before forking.
     _install_torch_view("megatron.core.dist_checkpointing.strategies.async_utils")
+    # megatron-core >= 0.17 saves asynchronously through nvidia-resiliency-ext's copies of the same three modules
+    # (its writer synchronizes, its finalize broadcasts a flag on torch.cuda.current_device(), its caller both).
+    for name in ("filesystem_async", "state_dict_saver", "core"):
+        _install_torch_view(f"{upstream.NVRX_ASYNC}.{name}")
 
 
 def _shim_rerun_state_machine() -> None:

@@ -102,6 +102,8 @@ class Symbol:
 
 _RSM = "megatron.core.rerun_state_machine"
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+NVRX_ASYNC = "nvidia_resiliency_ext.checkpointing.async_ckpt"
+"""nvidia-resiliency-ext's asynchronous-save modules, which megatron-core 0.17 and later write through."""
 _LOCAL_MANAGER = "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager"
 _FT_AGENT = "nvidia_resiliency_ext.fault_tolerance.launcher:LocalElasticAgent"
 _RANK_MONITOR = "nvidia_resiliency_ext.fault_tolerance.rank_monitor_server:RankMonitorServer"
@@ -223,10 +225,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         Symbol(f"{_RSM}:RerunErrorInjector.{attr}", "state", "rerun.py: exported to and restored from checkpoints")
         for attr in ("error_injection_rate", "error_injection_type", "injected_error_type")
     ),
-    Symbol(
-        f"{_FS_ASYNC}:_results_queue",
-        "patch",
-        "checkpoint/async_writer.py: a results queue in files, without upstream's manager process",
+    *(
+        Symbol(
+            f"{module}:_results_queue",
+            "patch",
+            "checkpoint/async_writer.py: a results queue in files, without upstream's manager process",
+        )
+        for module in (_FS_ASYNC, f"{NVRX_ASYNC}.filesystem_async")  # the second: megatron-core >= 0.17 writes there
     ),
     Symbol(
         MCORE_FORKING_WRITER,
@@ -288,6 +293,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "cpu_shims: the distributed optimizer accepts only parameters whose .type() is a torch.cuda type",
     ),
     _torch_global(_FS_ASYNC, "torch.cuda.synchronize before writing"),
+    *(
+        _torch_global(f"{NVRX_ASYNC}.{name}", f"megatron-core >= 0.17 saves asynchronously through it: {why}")
+        for name, why in (
+            ("filesystem_async", "torch.cuda.synchronize before writing"),
+            ("state_dict_saver", "a flag on the CUDA device"),
+            ("core", "torch.cuda.synchronize before forking, a flag on the CUDA device"),
+        )
+    ),
     _torch_global("megatron.core.dist_checkpointing.strategies.state_dict_saver", "a flag on the CUDA device"),
     _torch_global("megatron.core.dist_checkpointing.strategies.async_utils", "torch.cuda.synchronize before forking"),
     _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),

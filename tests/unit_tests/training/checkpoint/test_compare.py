@@ -136,3 +136,12 @@ def test_differences_list_the_small_parts_first_and_say_how_many_were_left_out()
     ]
     assert found[2] == "sharded.decoder.layer0.weight: values differ (max abs difference 1.0)"
     assert found[3] == "... and 4 more"
+
+
+def test_one_step_count_for_all_parameters_counts_as_the_step_counts():
+    # megatron-core's non-distributed optimizers keep one step count, state.common_step, for every parameter.
+    snapshot = _without(_snapshot(), "param_groups.0.step")
+    assert "no step counts" in " ".join(compare.missing_parts(snapshot))
+    for stage in ("dp_group_idx_0", "dp_group_idx_1"):
+        snapshot[f"sharded.optimizer.distributed.{stage}.optimizer/shard_0_1.0.state.common_step"] = torch.tensor(6.0)
+    assert not compare.missing_parts(snapshot)

@@ -27,7 +27,9 @@ from megatron.bridge.utils import fs, upstream
 logger = logging.getLogger(__name__)
 
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-_RESULTS_QUEUE = f"{_FS_ASYNC}:_results_queue"
+_RESULTS_QUEUES = (f"{_FS_ASYNC}:_results_queue", f"{upstream.NVRX_ASYNC}.filesystem_async:_results_queue")
+"""The writers' results queue of megatron-core's writer, and of nvidia-resiliency-ext's (which megatron-core 0.17
+and later write through): both are given the same queue."""
 
 REPORT_SECONDS = 120.0
 """A background writer still running after this many seconds (and every as many after) logs it with its stack."""
@@ -74,16 +76,19 @@ _RESULTS_DIR_PREFIX = "mbridge-write-results-"
 
 
 def install_results_queue() -> None:
-    """Give megatron-core's checkpoint writers a :class:`FileResultsQueue` (removed when this process exits).
+    """Give the checkpoint writers a :class:`FileResultsQueue` (removed when this process exits).
 
     The directories of processes that died without exiting (SIGKILL) are removed here, by the next process.
     """
-    if upstream.owner(_RESULTS_QUEUE) is None or upstream.get(_RESULTS_QUEUE) is not None:
-        return  # an upstream without this queue (logged), or the queue is in place
+    empty = [key for key in _RESULTS_QUEUES if upstream.owner(key) is not None and upstream.get(key) is None]
+    if not empty:
+        return  # an upstream without these queues (logged), or the queues are in place
     _remove_results_of_dead_processes(tempfile.gettempdir())
     directory = tempfile.mkdtemp(prefix=f"{_RESULTS_DIR_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    upstream.patch(_RESULTS_QUEUE, FileResultsQueue(directory))
+    results = FileResultsQueue(directory)
+    for key in empty:
+        upstream.patch(key, results)
 
 
 def _remove_results_of_dead_processes(parent: str) -> None:

@@ -22,6 +22,11 @@ from typing import Any, Optional
 
 import torch
 
+STEP_COUNTS = ("step", "common_step")
+"""An optimizer state's step counts: one per parameter (the distributed optimizer), or one for all of them
+(megatron-core's other optimizers keep ``state.common_step``)."""
+COMMON_STATE_SHARD = "common_state"
+"""The shard that holds a checkpoint's common part from megatron-core 0.19 on (before, ``common.pt``)."""
 NOT_TRAINING_STATE = ("goodput",)
 """Top-level entries of a checkpoint's common part that differ between equal runs (timing, not state)."""
 
@@ -68,6 +73,7 @@ def checkpoint_state(ckpt_dir: Path) -> dict[str, Any]:
     Args:
         ckpt_dir: an ``iter_XXXXXXX`` directory.
     """
+    from megatron.core.dist_checkpointing import load_common_state_dict
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     ckpt_dir = Path(ckpt_dir)
@@ -75,7 +81,10 @@ def checkpoint_state(ckpt_dir: Path) -> dict[str, Any]:
         flat_path = os.path.join(tmp, "flat.pt")
         dcp_to_torch_save(str(ckpt_dir), flat_path)
         sharded = torch.load(flat_path, weights_only=False)
-    common = torch.load(ckpt_dir / "common.pt", weights_only=True)
+    # The common part: common.pt up to megatron-core 0.18, a "common_state" object among the shards from 0.19
+    # (megatron-core's reader takes both; the object is compared here as the common part, not as a shard).
+    sharded = {k: v for k, v in sharded.items() if not k.startswith(COMMON_STATE_SHARD)}
+    common = load_common_state_dict(str(ckpt_dir))
     common = {k: v for k, v in common.items() if k not in NOT_TRAINING_STATE}
     return {**flatten(sharded, "sharded."), **flatten(common, "common.")}
 
@@ -171,7 +180,7 @@ def _optimizer_problems(state: dict[str, Any], model_numel: int) -> list[str]:
             covered[next(m for m in MOMENTS if m in _components(key))] += _numel(state[key])
         if not moments:
             problems.append(f"{OPTIMIZER} ({stage}): no moments ({', '.join(MOMENTS)})")
-        if not any(_components(k)[-1] == "step" for k in stage_keys):
+        if not any(_components(k)[-1] in STEP_COUNTS for k in stage_keys):
             problems.append(f"{OPTIMIZER} ({stage}): no step counts")
     most = max(covered.values(), default=0)
     if covered and most < model_numel:
@@ -212,7 +221,7 @@ def part_counts(state: dict[str, Any]) -> list[PartCount]:
     def named(names: tuple[str, ...]) -> int:
         return sum(1 for k in opt if isinstance(state[k], torch.Tensor) and set(_components(k)) & set(names))
 
-    steps = sum(1 for k in opt if _components(k)[-1] == "step")
+    steps = sum(1 for k in opt if _components(k)[-1] in STEP_COUNTS)
     details = {
         MODEL: f"{sum(_numel(v) for k, v in state.items() if part_of(k) == MODEL):,} values",
         OPTIMIZER: f"{len(_stages(opt))} pipeline stage(s): {named(MOMENTS)} moments, "
