@@ -5,6 +5,7 @@
 #   bash scripts/run_tests.sh --fast   # lint and the unit tier only (our own logic, on 2 workers; under 3 minutes)
 #   bash scripts/run_tests.sh --nvrx 0.7.0   # a release lane: the unit tier and the drills of tests/nvrx_lane.txt
 #                                            # against that nvidia-resiliency-ext release (scripts/setup_nvrx_lane.sh)
+#   bash scripts/run_tests.sh --nvrx 0.7.0 --mcore 0.19.2   # and that megatron-core release (not in CI: 1 GB)
 #
 # Extra arguments go to pytest. The functional tier (real 2-rank runs on CPU with gloo, real Slurm) runs on
 # PYTEST_WORKERS parallel workers (default 3: most drills wait on timeouts, signals and restarts rather than compute);
@@ -22,14 +23,19 @@ if [ "${1:-}" = "--fast" ]; then
   fast=1
   shift
 elif [ "${1:-}" = "--nvrx" ]; then
-  nvrx=${2:?usage: run_tests.sh --nvrx VERSION}
+  nvrx=${2:?usage: run_tests.sh --nvrx VERSION [--mcore MCORE_VERSION]}
   shift 2
+  if [ "${1:-}" = "--mcore" ]; then
+    nvrx="$nvrx --mcore ${2:?usage: run_tests.sh --nvrx VERSION --mcore MCORE_VERSION}"
+    shift 2
+  fi
 fi
 
 install_start=$(date +%s)
 bash scripts/setup_env.sh
 if [ -n "$nvrx" ]; then
-  lane=$(bash scripts/setup_nvrx_lane.sh "$nvrx" | tail -1)
+  # shellcheck disable=SC2086  # "VERSION [--mcore MCORE_VERSION]", split on purpose
+  lane=$(bash scripts/setup_nvrx_lane.sh $nvrx | tail -1)
   export LANE_BIN="$PWD/$lane/bin"  # scripts/run_main_job.sh puts it first too
   export PATH="$LANE_BIN:$PWD/.venv/bin:$PATH"
   echo "[tests] lane: nvidia-resiliency-ext $nvrx ($lane); install took $(( $(date +%s) - install_start )) s"
