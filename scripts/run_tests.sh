@@ -3,8 +3,9 @@
 #
 #   bash scripts/run_tests.sh          # everything (CI): lint, the unit tier, then the functional fault drills
 #   bash scripts/run_tests.sh --fast   # lint and the unit tier only (our own logic, on 2 workers; under 3 minutes)
-#   bash scripts/run_tests.sh --nvrx 0.7.0   # a release lane: the unit tier and the drills of tests/nvrx_lane.txt
-#                                            # against that nvidia-resiliency-ext release (scripts/setup_nvrx_lane.sh)
+#   bash scripts/run_tests.sh --nvrx 0.7.0   # a release lane: the unit tests and the drills of tests/nvrx_lane.txt
+#                                            # against that nvidia-resiliency-ext release (scripts/setup_nvrx_lane.sh),
+#                                            # in one session on PYTEST_WORKERS workers
 #   bash scripts/run_tests.sh --nvrx 0.7.0 --mcore 0.19.2   # and that megatron-core release (not in CI: 1 GB)
 #
 # Extra arguments go to pytest. The functional tier (real 2-rank runs on CPU with gloo, real Slurm) runs on
@@ -63,17 +64,20 @@ run() {  # run one tier; remember its pytest status (5: it collected no test)
 }
 
 start=$(date +%s)
-echo "[tests] unit tier"
-run unit tests -m "not functional" -q --durations=10 -n 2 "$@"
-echo "[tests] unit tier took $(( $(date +%s) - start )) s"
 if [ -n "$nvrx" ]; then
-  func_start=$(date +%s)
-  echo "[tests] the drills of tests/nvrx_lane.txt on ${PYTEST_WORKERS:-3} workers"
+  # One session: the unit tests run on the workers the drills leave idle while they wait on timeouts and restarts
+  # (the main job, the longest, starts first: tests/conftest.py).
+  echo "[tests] the unit tests and the drills of tests/nvrx_lane.txt on ${PYTEST_WORKERS:-3} workers"
   mapfile -t lane_tests < <(grep -v '^#' tests/nvrx_lane.txt | grep -v '^[[:space:]]*$')
-  run lane "${lane_tests[@]}" -m functional -v --durations=10 -n "${PYTEST_WORKERS:-3}" --dist loadscope \
-    --no-loadscope-reorder "$@"
-  echo "[tests] lane drills took $(( $(date +%s) - func_start )) s"
-elif [ "$fast" = 0 ]; then
+  run lane tests/unit_tests "${lane_tests[@]}" -m "not serial" -q --durations=10 -n "${PYTEST_WORKERS:-3}" \
+    --dist loadscope --no-loadscope-reorder "$@"
+  echo "[tests] lane tests took $(( $(date +%s) - start )) s"
+else
+  echo "[tests] unit tier"
+  run unit tests -m "not functional" -q --durations=10 -n 2 "$@"
+  echo "[tests] unit tier took $(( $(date +%s) - start )) s"
+fi
+if [ -z "$nvrx" ] && [ "$fast" = 0 ]; then
   func_start=$(date +%s)
   echo "[tests] functional tier on ${PYTEST_WORKERS:-3} workers"
   run functional tests -m "functional and not serial" -v --durations=25 -n "${PYTEST_WORKERS:-3}" --dist loadscope \

@@ -384,7 +384,8 @@ def test_local_launch_starts_two_ranks_under_ft_launcher_with_the_config(nemorun
     logs = "\n".join(p.read_text() for p in Path(info["local_dir"]).rglob("*.log"))
     assert result["final_state"] == "SUCCEEDED", logs[-4000:]
     assert result["roles"]["ft_local"][0]["exitcode"] == 0
-    assert "ft_launcher" in logs
+    # ft_launcher's own log lines: 0.4 names its logger ft_launcher<pid>, 0.6 and later print launcher.py:<line>.
+    assert re.search(r"\[ft_launcher\d+@|\] launcher\.py:\d+ ", logs), logs[-4000:]
 
     ranks = sorted(out_dir.glob("rank*.json"))
     assert [p.name for p in ranks] == ["rank0.json", "rank1.json"], logs[-4000:]
