@@ -110,15 +110,12 @@ _RANK_MONITOR = "nvidia_resiliency_ext.fault_tolerance.rank_monitor_server:RankM
 _STRAGGLER = "nvidia_resiliency_ext.straggler"
 _STRAGGLER_NEW = "nvidia_resiliency_ext.attribution.straggler"
 
-
 NVRX_OWN_ELASTIC = "nvidia-resiliency-ext<0.6"
 """Releases whose ``ft_launcher`` runs on the package's own copy of torch elastic (``_torch_elastic_compat``)."""
 NVRX_TORCH_ELASTIC = "nvidia-resiliency-ext>=0.6"
 """Releases whose ``ft_launcher`` runs on torch's elastic agent: workers start and ports are picked there."""
-
 MCORE_FORKING_WRITER = f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data_multiproc"
 """megatron-core's bucket writer that forks a process per bucket (before 0.17)."""
-
 _TORCH_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 _NVRX_HANDLER = (
     "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.multiprocessing.subprocess_handler.subprocess_handler"
