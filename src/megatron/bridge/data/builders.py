@@ -5,8 +5,8 @@ data files (``MockGPTDatasetConfig``) it returns the mock streams of :mod:`megat
 before (vocabulary from the tokenizer; validation seed ``random_seed + 1``, test ``+ 2``). For a real
 ``GPTDatasetConfig`` it builds megatron-core ``GPTDataset`` splits through ``BlendedMegatronDatasetBuilder``
 (``blend`` with weights and ``split``, or ``blend_per_split``) and reads them with the same
-``PositionedBatchSampler``: sample ``i`` of a split is a fixed function of the data, ``random_seed`` and ``i``, so
-a run resumed at ``consumed_train_samples`` sees exactly the batches an uninterrupted run would have.
+``samplers.MegatronPretrainingSampler``: sample ``i`` of a split is a fixed function of the data, ``random_seed``
+and ``i``, so a run resumed at ``consumed_train_samples`` sees exactly the batches an uninterrupted run would have.
 
 Index cache: megatron-core writes ``.npy`` index files to ``dataset.path_to_cache``, by default ``index-cache/``
 next to the first prefix (:func:`megatron.bridge.data.checks.default_path_to_cache`). With several ranks, every
@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 
 from megatron.bridge.data import mock
 from megatron.bridge.data.checks import SPLITS, check_dataset_files, is_mock, path_to_cache
+from megatron.bridge.data.config import DatasetBuildContext, DatasetProvider
 from megatron.bridge.utils.cpu_shims import before_megatron_core_import
 from megatron.bridge.utils.fields import fail
 
@@ -267,9 +268,17 @@ def build_train_valid_test_data_iterators(
         "persistent_workers": dataset_cfg.persistent_workers,
         "worker_init_fn": worker_init_fn,
     }
-    seed = dataset_cfg.random_seed
+    seed = getattr(dataset_cfg, "random_seed", 0)  # a DatasetProvider need not have one
     starts = (consumed_train_samples, consumed_valid_samples, 0)
     wanted = (train_samples, valid_samples, test_samples)
+    if isinstance(dataset_cfg, DatasetProvider):  # a custom provider builds its splits; read like ours
+        datasets = dataset_cfg.build_datasets(DatasetBuildContext(*wanted, tokenizer=tokenizer))
+        return tuple(  # type: ignore[return-value]
+            build_data_iterator(dataset, seed=seed + i, consumed_samples=start, split=name, **loader)
+            if count > 0 and dataset is not None
+            else None
+            for i, (name, dataset, count, start) in enumerate(zip(SPLITS, datasets, wanted, starts))
+        )
     if is_mock(dataset_cfg):
         stream = functools.partial(
             mock.build_data_iterator, vocab_size=tokenizer.vocab_size, seq_length=dataset_cfg.sequence_length, **loader
