@@ -121,12 +121,15 @@ def _pretrain(
         inprocess_iteration=inprocess_iteration,
     )
     recorder = EventRecorder(rank)
-    fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
-    ft = global_state.fault_tolerance
+    if is_enabled(cfg.ft, "enable_ft_package"):
+        fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
+        if is_enabled(cfg.inprocess_restart):  # the inner layer acts first: no hang timeout below its hard timeout
+            fault_tolerance.keep_timeouts_at_least(global_state, cfg.inprocess_restart.hard_timeout)
+    ft_timeout = functools.partial(fault_tolerance.section_timeout, global_state)
     attempt = attempt_name(inprocess_iteration=inprocess_iteration)
     attribution_dir = _attribution_dir(cfg)
     hang_watch = HangWatch(
-        attribution_dir, attempt, rank, lambda section: _stack_dump_delay(cfg, ft, hang_watch, section)
+        attribution_dir, attempt, rank, lambda section: _stack_dump_delay(cfg, ft_timeout, hang_watch, section)
     )
     liveness = LivenessPing(cfg.health, attempt, hang_watch.where_is if attribution_dir is not None else None)
     # Goodput: an in-process restart iteration is an attempt of its own, from now; the first, from the process start.
@@ -153,7 +156,8 @@ def _pretrain(
             # A finished run closed it already (waiting for its saves); when unwinding, never commit collectives.
             *([functools.partial(checkpoints.close, abort=True)] if checkpoints is not None else []),
             functools.partial(setattr, global_state, "async_calls_queue", None),  # its queue is closed now
-            functools.partial(fault_tolerance.shutdown, global_state),
+            # A finished run shut fault tolerance down already (learning its timeouts); when unwinding, disconnect.
+            functools.partial(fault_tolerance.abort, global_state),
             hang_watch.shutdown,
             liveness.shutdown,
             destroy_distributed,
@@ -288,7 +292,8 @@ def _pretrain(
         # scheduling), which a healthy background write outlasts: under load it killed finished runs right here.
         with goodput.saving():
             checkpoints.close()
-        ft.on_train_end(code)
+        fault_tolerance.report_exit(global_state, code)
+        fault_tolerance.shutdown(global_state)  # every rank ends here: the timeouts of the whole run can be learned
         goodput.finish(state.step, f"{code.name} (exit code {int(code)})")
         recorder.exited(int(code), reason)
         if rerun.transient_errors:
@@ -302,7 +307,8 @@ def _pretrain(
         signals.unwinding = err  # a preemption signal from now on finds no step boundary: it ends the process
         if checkpoints is not None:
             checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
-        _no_restart_after_a_stop(ft, err)  # before the abort: the peers' failures must not restart the job first
+        # Before the abort: the peers' failures must not restart the job first.
+        _no_restart_after_a_stop(global_state, err)
         abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)
         _finish_goodput_unwinding(goodput, err)
         recorder.exited(_exit_code_of(err), f"{type(err).__name__}: {err}"[:500])
@@ -346,13 +352,13 @@ def _exit_code_of(err: BaseException) -> Optional[int]:
     return None
 
 
-def _no_restart_after_a_stop(ft: fault_tolerance.FaultTolerance, err: BaseException) -> None:
+def _no_restart_after_a_stop(global_state: GlobalState, err: BaseException) -> None:
     """Best effort: an exit whose action is *stop* (a full disk, say) tells the launcher and job script so."""
     code = _exit_code_of(err)
     if code not in STOP_CODES:
         return
     try:
-        ft.on_train_end(ExitCode(code))
+        fault_tolerance.report_exit(global_state, ExitCode(code))
     except Exception:  # noqa: BLE001 - must not hide the error being raised
         logger.warning("could not tell the launcher not to restart", exc_info=True)
 
@@ -381,7 +387,7 @@ def _attribution_dir(cfg: ConfigContainer) -> Optional[str]:
 
 
 def _stack_dump_delay(
-    cfg: ConfigContainer, ft: fault_tolerance.FaultTolerance, watch: HangWatch, section: str
+    cfg: ConfigContainer, section_timeout: Callable[[str], Optional[float]], watch: HangWatch, section: str
 ) -> Optional[float]:
     """Seconds ``section`` may stay open before the stacks are dumped (evaluated at every section start).
 
@@ -392,7 +398,7 @@ def _stack_dump_delay(
     """
     if cfg.health.stack_dump_after is not None:
         return cfg.health.stack_dump_after or None
-    limits = [t / 2 for t in (ft.section_timeout(section),) if t]
+    limits = [t / 2 for t in (section_timeout(section),) if t]
     if is_enabled(cfg.inprocess_restart) and section != "setup":
         limits.append(cfg.inprocess_restart.soft_timeout / 2)
     if section == "step" and cfg.health.liveness_ping_interval:

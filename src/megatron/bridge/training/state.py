@@ -63,14 +63,13 @@ class FaultToleranceState:
     is_calculating_timeouts: bool = False
     """``ft.calc_ft_timeouts``: learn the section timeouts from this run."""
     is_setup_section_open: bool = False
-    """The ``setup`` section is open (closed by the first training step)."""
+    """The ``setup`` section is open (closed by the first training or evaluation step)."""
     seen_checkpoints_cnt: int = 0
     """Checkpoint saves seen in this run."""
     seen_tr_iters_cnt: int = 0
     """Training steps seen in this run."""
     curr_eval_iter_idx: int = 0
-    """Megatron-Bridge's count of evaluation steps in ft sections; stays 0 here: evaluation runs outside any ft
-    section (the launcher's out-of-section timeout bounds it)."""
+    """Evaluation steps seen in the current evaluation (its first is a warm-up, outside the ``step`` section)."""
 
 
 class GlobalState:
@@ -84,10 +83,9 @@ class GlobalState:
         self._nvrx_straggler_manager: Any = None
         self._nvrx_straggler_created = False
         self._async_calls_queue: Any = None
-        self.fault_tolerance: Any = None
-        """This run's ``fault_tolerance.FaultTolerance`` (set by ``fault_tolerance.setup``)."""
         self.rank_monitor_client: Any = None
-        """nvidia-resiliency-ext's ``RankMonitorClient`` while fault tolerance is on (set by ``fault_tolerance``)."""
+        """nvidia-resiliency-ext's ``RankMonitorClient`` while fault tolerance is connected (``fault_tolerance.setup``
+        sets it, ``shutdown``/``abort`` clear it); the module functions report through it."""
         self.start_time = time.monotonic()
         """``time.monotonic()`` when this state was made: a start to measure durations from, not a timestamp."""
         self.stop_request: Optional[tuple[Any, str]] = None
