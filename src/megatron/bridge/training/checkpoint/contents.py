@@ -16,6 +16,7 @@ from megatron.bridge.training.checkpoint import optimizer_state
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.rng import (
     get_rng_state,
+    restore_rng_state,
     rng_blob_length,
     rng_blob_to_tensor,
     rng_state_from_tensor,
@@ -23,9 +24,18 @@ from megatron.bridge.training.rng import (
     set_rng_state,
 )
 from megatron.bridge.training.state import TrainState
+from megatron.bridge.utils.cpu_shims import training_on_cpu
 from megatron.bridge.utils.dist import all_gather_object, rank, world_size
 
 CHECKPOINT_VERSION = 1
+
+WRITER_KEY = "megatron_bridge_resiliency"
+"""Entry of the common part that marks a checkpoint this package wrote (its value: :data:`CHECKPOINT_VERSION`).
+
+A checkpoint of ours without its manifest is damaged (refused); one without the entry was written elsewhere
+(Megatron-Bridge, a conversion tool) and carries no manifest by design (see :func:`written_here`)."""
+_OWN_LAYOUT_KEY = "rng_bytes"
+"""Common entry every checkpoint of this package has had, from before :data:`WRITER_KEY` existed."""
 
 RANK_EXTRA_KEY = "rank_extra"
 """Key of the per-rank extra state inside the per-rank RNG blob."""
@@ -67,6 +77,7 @@ def sharded_state_dict(
     return {
         **(common_extra or {}),
         "checkpoint_version": CHECKPOINT_VERSION,
+        WRITER_KEY: CHECKPOINT_VERSION,
         **model_sd,
         "optimizer": optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=optimizer_state.optimizer_metadata(model)
@@ -79,6 +90,11 @@ def sharded_state_dict(
             "rng_state", rng_row.unsqueeze(0), (0, rank(), world_size()), replica_id=0
         ),
     }
+
+
+def written_here(common: dict[str, Any]) -> bool:
+    """Whether the checkpoint whose common part is ``common`` was written by this package (either tier)."""
+    return WRITER_KEY in common or _OWN_LAYOUT_KEY in common
 
 
 def apply_loaded(
@@ -120,3 +136,44 @@ def apply_loaded(
     if "rng" not in skip:
         set_rng_state(blob)
     return extra
+
+
+def apply_foreign_loaded(
+    loaded: dict[str, Any],
+    train_state: TrainState,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    data_parallel_rank: int,
+    skip: Collection[str] = (),
+) -> None:
+    """Put a loaded checkpoint written elsewhere (Megatron-Bridge's content) into the run.
+
+    Model, optimizer and scheduler sections have the keys of ours; the train state comes from the checkpoint's
+    ``train_state.pt`` (``train_state``); the RNG states are Megatron-Bridge's ``rng_state`` object: one dict of
+    generator states per data-parallel rank, or one for all (``data_parallel_random_init`` off). ``skip`` as in
+    :func:`apply_loaded`.
+    """
+    rng = loaded.get("rng_state")
+    apply_loaded(
+        {key: value for key, value in loaded.items() if key != "rng_state"} | {"train_state": train_state.state_dict()},
+        model,
+        optimizer,
+        scheduler,
+        state,
+        skip=skip,
+    )
+    if not rng or "rng" in skip:
+        return
+    saved = rng[data_parallel_rank] if len(rng) > 1 else rng[0]
+    cuda = saved.get("cuda_rng_state") if not training_on_cpu() else None
+    restore_rng_state(
+        (
+            saved["random_rng_state"],
+            saved["np_rng_state"],
+            saved["torch_rng_state"],
+            cuda,
+            saved["rng_tracker_states"],
+        )
+    )

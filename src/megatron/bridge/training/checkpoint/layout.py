@@ -1,9 +1,13 @@
 """On-disk layout of a checkpoint directory and the atomic commit protocol.
 
-Layout of ``checkpoint.save``::
+Layout of ``checkpoint.save`` (Megatron-Bridge's, plus the manifest; the names are those of
+``training/utils/checkpoint_utils.py``)::
 
     latest_checkpointed_iteration.txt   the tracker: the iteration of the newest committed checkpoint
-    iter_0000100/                       a committed checkpoint (its files and manifest.json)
+    latest_train_state.pt               a copy of the tracker's checkpoint's train_state.pt
+    iter_0000100/                       a committed checkpoint: the torch_dist files (.metadata, metadata.json,
+                                        common.pt, __<rank>_<n>.distcp), run_config.yaml, train_state.pt and
+                                        manifest.json (size and SHA-256 of every other file: ``manifest.py``)
     .tmp_iter_0000120.<attempt>/        a save in progress (never loaded; removed at the next start)
     .replaced_iter_0000100/             an older copy kept while a re-save at the same iteration commits
     .deleting_iter_0000040/             a checkpoint being deleted by retention
@@ -15,30 +19,47 @@ Commit protocol (all file data is already on disk, manifest last):
 2. rank 0 fsyncs the directory tree;
 3. if ``iter_N`` already exists, it is renamed to ``.replaced_iter_N``;
 4. ``.tmp_iter_N.<attempt>`` is renamed to ``iter_N`` and the parent directory fsynced;
-5. the tracker is written to a temporary file, fsynced and renamed over the old tracker;
+5. the tracker is written to a temporary file, fsynced and renamed over the old tracker, and
+   ``latest_train_state.pt`` replaced the same way by a copy of ``iter_N/train_state.pt``;
 6. ``.replaced_iter_N`` is deleted.
 
 A crash between any two steps leaves either the old state or the new one for :func:`recover`, which runs on the
 save directory when a run starts (before it loads or saves anything): it deletes ``.tmp_iter_*`` and
-``.deleting_iter_*``, and restores ``.replaced_iter_N`` when ``iter_N`` is missing.
+``.deleting_iter_*``, restores ``.replaced_iter_N`` when ``iter_N`` is missing, and copies the tracker's
+``train_state.pt`` to ``latest_train_state.pt`` again (a crash between steps 5's two writes left the older one).
+The tracker is what this package loads by; ``latest_train_state.pt`` is kept for Megatron-Bridge, which reads it
+first.
 
 For fault drills, :func:`crash_point` marks each step: a ``save.<point>`` fault of the fault-injection registry
 (``training/fault_injection.py``, e.g. ``kill@6:0:save.after_rename``) kills, stops or stalls the process there.
 """
 
+import io
 import logging
 import os
 import re
 import shutil
 import threading
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from megatron.bridge.training import fault_injection
+from megatron.bridge.training.utils.checkpoint_utils import (
+    TRACKER_FILE,
+    TRACKER_PREFIX,
+    get_checkpoint_name,
+    get_checkpoint_run_config_filename,
+    get_checkpoint_tracker_filename,
+    get_checkpoint_train_state_filename,
+)
 from megatron.bridge.utils import fs
 
 logger = logging.getLogger(__name__)
 
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
+TRACKER_NAME = TRACKER_FILE
+_TENSOR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_FLOAT_FIELDS = ("floating_point_operations_so_far",)  # a float64 tensor in Megatron-Bridge's train_state.pt
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 _TMP_RE = re.compile(r"^\.(tmp|deleting)_iter_(\d{7})(\.[\w-]+)?$")
 _REPLACED_RE = re.compile(r"^\.replaced_iter_(\d{7})$")
@@ -54,7 +75,7 @@ def crash_point(name: str, rank: int, iteration: int) -> None:
 
 def iter_dir(root: str, iteration: int) -> str:
     """Path of the committed checkpoint of ``iteration``."""
-    return os.path.join(root, f"iter_{iteration:07d}")
+    return get_checkpoint_name(root, iteration)
 
 
 def tmp_dir(root: str, iteration: int, attempt: str) -> str:
@@ -68,7 +89,7 @@ def _replaced_dir(root: str, iteration: int) -> str:
 
 def read_tracker(root: str) -> Optional[int]:
     """Iteration named by the tracker in ``root``, or ``None`` when there is no readable tracker."""
-    path = os.path.join(root, TRACKER_NAME)
+    path = get_checkpoint_tracker_filename(root)
     try:
         with open(path) as f:
             text = f.read().strip()
@@ -82,9 +103,65 @@ def read_tracker(root: str) -> Optional[int]:
 
 
 def write_tracker(root: str, iteration: int, rank: int = 0) -> None:
-    """Atomically replace the tracker in ``root`` with ``iteration`` (write temp, fsync, rename, fsync dir)."""
-    path = os.path.join(root, TRACKER_NAME)
+    """Atomically replace the tracker in ``root`` with ``iteration`` (write temp, fsync, rename, fsync dir).
+
+    ``latest_train_state.pt`` follows it: see :func:`sync_latest_train_state`.
+    """
+    path = get_checkpoint_tracker_filename(root)
     fs.atomic_write(path, f"{iteration}\n", before_rename=lambda: crash_point("after_tracker_tmp", rank, iteration))
+    sync_latest_train_state(root, iteration)
+
+
+def train_state_tensors(train_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A ``TrainState.state_dict()`` as Megatron-Bridge stores it in ``train_state.pt``: one 0-d tensor per field."""
+    return {
+        name: torch.tensor(
+            value, dtype=torch.float64 if name in _FLOAT_FIELDS else _TENSOR_DTYPES.get(type(value), torch.int64)
+        )
+        for name, value in train_state.items()
+    }
+
+
+def write_iteration_files(ckpt_dir: str, train_state: dict[str, Any], run_config: Optional[dict[str, Any]]) -> None:
+    """Write ``train_state.pt`` and, when given, ``run_config.yaml`` into a checkpoint being saved (one rank).
+
+    Both are Megatron-Bridge's per-checkpoint files; they are written before the manifest, so it covers them.
+
+    Args:
+        ckpt_dir: the save's temporary directory.
+        train_state: ``TrainState.state_dict()`` at the save's step.
+        run_config: the run's configuration as plain values (``checkpoint/run_config.py``), or ``None``.
+    """
+    from megatron.bridge.training.checkpoint.run_config import write_run_config
+
+    buffer = io.BytesIO()
+    torch.save(train_state_tensors(train_state), buffer)
+    fs.atomic_write(get_checkpoint_train_state_filename(ckpt_dir), buffer.getvalue(), durable=False)
+    if run_config is not None:
+        write_run_config(get_checkpoint_run_config_filename(ckpt_dir), run_config)
+
+
+def sync_latest_train_state(root: str, iteration: int) -> None:
+    """Make ``latest_train_state.pt`` in ``root`` a copy of ``iter_N/train_state.pt`` (atomically, durable).
+
+    Removed when that checkpoint has no ``train_state.pt`` (saved before this file existed): a stale copy would point
+    Megatron-Bridge at another checkpoint than the tracker.
+    """
+    latest = get_checkpoint_train_state_filename(root, prefix=TRACKER_PREFIX)
+    try:
+        with open(get_checkpoint_train_state_filename(iter_dir(root, iteration)), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        if os.path.exists(latest):
+            os.remove(latest)
+        return
+    try:
+        with open(latest, "rb") as f:
+            if f.read() == data:
+                return  # already in step: nothing is written (a read-only save directory stays untouched)
+    except FileNotFoundError:
+        pass
+    fs.atomic_write(latest, data)
 
 
 def committed_iterations(root: str) -> list[int]:
@@ -141,7 +218,13 @@ def recover(root: str) -> None:
             else:
                 logger.warning("restoring %s: the re-save that replaced it never committed", final)
                 os.rename(path, final)
-    fs.remove_temporaries(os.path.join(root, TRACKER_NAME))
+    tracker = get_checkpoint_tracker_filename(root)
+    latest = get_checkpoint_train_state_filename(root, prefix=TRACKER_PREFIX)
+    fs.remove_temporaries(tracker)
+    fs.remove_temporaries(latest)
+    tracked = read_tracker(root)
+    if tracked is not None and os.path.isdir(iter_dir(root, tracked)):
+        sync_latest_train_state(root, tracked)
     fs.fsync_path(root)
 
 
@@ -176,3 +259,4 @@ def apply_retention(root: str, keep: int, protect: set[int]) -> list[int]:
     if deleted:
         logger.info("retention (most_recent_k=%d): deleted checkpoints at iterations %s", keep, deleted)
     return deleted
+
