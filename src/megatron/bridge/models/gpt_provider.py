@@ -4,9 +4,15 @@ As in Megatron-Bridge, the provider *is* the model's config: every ``Transformer
 ``hidden_size``, ``tensor_model_parallel_size``, ``bf16``, ...) is a field of it, plus the GPT ones below.
 megatron-core's own checks and derived fields (``ffn_hidden_size`` of ``None`` becomes ``4 * hidden_size``, ...)
 run in :meth:`finalize`, not at construction, so that a recipe's provider can still be changed by dotted
-overrides; ``ConfigContainer.validate()`` finalizes it. :meth:`provide` builds megatron-core's ``GPTModel`` with
-the layer spec ``transformer_layer_spec`` gives: by default (:func:`default_layer_spec`) megatron-core's Transformer
-Engine spec where Transformer Engine is installed and usable (a GPU), else its local, plain-PyTorch spec.
+overrides; ``ConfigContainer.validate()`` finalizes it. :meth:`provide` builds megatron-core's ``GPTModel``
+(``MCoreGPTModel`` here, as in Megatron-Bridge) with the layer spec ``transformer_layer_spec`` gives: by default
+(:func:`default_layer_spec`) :func:`transformer_engine_layer_spec`, megatron-core's Transformer Engine spec, which
+falls back to its local, plain-PyTorch spec where Transformer Engine is not installed or has no GPU to run on.
+The distributed build (``provide_distributed_model``) comes from ``ModelProviderMixin``.
+
+Fusions whose kernels the device lacks are turned off when the model is built for it (:meth:`for_device`): the fused
+cross entropy (on by default, as in Megatron-Bridge) on CPU, and its Transformer Engine variant without a usable
+Transformer Engine.
 """
 
 import copy
@@ -24,13 +30,15 @@ from megatron.bridge.utils.cpu_shims import before_megatron_core_import, trainin
 
 before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fused ops are imported
 
-from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt import GPTModel as MCoreGPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+from megatron.bridge.models.model_provider import ModelProviderMixin  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +49,33 @@ def local_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
 
 
 def transformer_engine_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
-    """megatron-core's Transformer Engine GPT layer spec (needs Transformer Engine and a GPU).
+    """megatron-core's Transformer Engine GPT layer spec; its local spec where Transformer Engine is not usable.
 
-    Its norms read ``normalization`` from the config itself: the spec function takes no such argument.
+    Transformer Engine needs its package and a GPU; without them the same layers are built from plain PyTorch
+    modules (:func:`local_layer_spec`), logged once. The TE spec's norms read ``normalization`` from the config
+    itself: the spec function takes no such argument.
     """
+    if not transformer_engine_usable():
+        _log_local_fallback()
+        return local_layer_spec(config)
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+
+
+def transformer_engine_full_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
+    """Megatron-Bridge's whole-layer Transformer Engine spec (``use_transformer_engine_full_layer_spec``): not here.
+
+    Raises:
+        ValueError: always; the layer is Megatron-Bridge's own Transformer Engine module, not megatron-core's.
+    """
+    raise ValueError(
+        "model.use_transformer_engine_full_layer_spec: the full Transformer Engine layer spec is not available in "
+        "this package. Fix: leave it False (the default spec uses Transformer Engine's modules where usable)."
+    )
+
+
+@functools.cache
+def _log_local_fallback() -> None:
+    logger.info("Transformer Engine is not usable here (not installed, or no GPU): using the local layer spec")
 
 
 @functools.cache
@@ -65,24 +95,27 @@ def transformer_engine_usable() -> bool:
 
 
 def default_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
-    """The Transformer Engine layer spec where Transformer Engine is usable, else the local one."""
-    if transformer_engine_usable():
-        return transformer_engine_layer_spec(config)
-    return local_layer_spec(config)
+    """The full-layer Transformer Engine spec when asked for, else :func:`transformer_engine_layer_spec`."""
+    if config.use_transformer_engine_full_layer_spec:
+        return transformer_engine_full_layer_spec(config)
+    return transformer_engine_layer_spec(config)
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+def calculate_padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``divisible_by * tensor_model_parallel_size``."""
     multiple = divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 
 @dataclass
-class GPTModelProvider(TransformerConfig):
+class GPTModelProvider(TransformerConfig, ModelProviderMixin[MCoreGPTModel]):
     """A GPT model: megatron-core's ``TransformerConfig`` plus what ``GPTModel`` takes; :meth:`provide` builds it."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the language-model cross entropy in fp16."""
+    logit_dtype: Optional[torch.dtype] = None
+    """dtype of the output logits; ``None``: megatron-core's choice. Needs a megatron-core whose ``GPTModel`` takes
+    ``logit_dtype`` (Megatron-LM PR #6252); an older one refuses it when the model is built."""
     parallel_output: bool = True
     """Keep the logits split over tensor-parallel ranks (the loss is computed on the split logits)."""
     share_embeddings_and_output_weights: bool = True
@@ -103,6 +136,17 @@ class GPTModelProvider(TransformerConfig):
     """With ``rope_scaling``: what the lowest rotary frequencies are divided by (8 for Llama 3.1, 32 for Llama 3.2)."""
     seq_length: int = 1024
     """Sequence length of the training samples and the longest position embedded."""
+    scatter_embedding_sequence_parallel: bool = True
+    """With sequence parallelism: scatter the embedding output over the tensor-parallel ranks."""
+    cross_entropy_loss_fusion: bool = True
+    """Fused cross entropy (``cross_entropy_fusion_impl`` picks megatron-core's or Transformer Engine's kernel);
+    turned off when the model is built on CPU, or for ``"te"`` where Transformer Engine is not usable."""
+    mtp_enabled: bool = False
+    """Multi-token prediction: not available here (``True`` is refused by :meth:`finalize`)."""
+    restore_modelopt_state: bool = False
+    """Restore a ModelOpt (quantization, sparsity) state: not available here (``True`` is refused)."""
+    use_transformer_engine_full_layer_spec: bool = False
+    """Megatron-Bridge's whole-layer Transformer Engine spec: not available here (``True`` is refused)."""
     vocab_size: Optional[int] = None
     """Vocabulary size (before padding); ``None`` takes the tokenizer's (``tokenizer.vocab_size``)."""
     should_pad_vocab: bool = False
@@ -120,6 +164,9 @@ class GPTModelProvider(TransformerConfig):
         With pipeline parallelism, ``pipeline_dtype`` (the dtype of the activations stages exchange) of ``None``
         becomes the model's compute dtype.
         """
+        for name in ("mtp_enabled", "restore_modelopt_state", "use_transformer_engine_full_layer_spec"):
+            if getattr(self, name):
+                raise ValueError(f"model.{name}: not available in this package. Fix: leave it False.")
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             self.pipeline_dtype = torch.bfloat16 if self.bf16 else self.params_dtype
         TransformerConfig.__post_init__(self)
@@ -131,11 +178,13 @@ class GPTModelProvider(TransformerConfig):
             raise ValueError("model.vocab_size is not set: set it, or tokenizer.vocab_size with the NullTokenizer")
         if not self.should_pad_vocab:
             return self.vocab_size
-        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+        return calculate_padded_vocab_size(
+            self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size
+        )
 
     def provide(
         self, pre_process: Optional[bool] = None, post_process: Optional[bool] = None, vp_stage: Optional[int] = None
-    ) -> GPTModel:
+    ) -> MCoreGPTModel:
         """Build the ``GPTModel`` this provider describes (after ``torch.distributed`` and model parallelism start).
 
         Args:
@@ -149,7 +198,7 @@ class GPTModelProvider(TransformerConfig):
             pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-        return GPTModel(
+        return MCoreGPTModel(
             config=self,
             transformer_layer_spec=self._layer_spec(vp_stage),
             vocab_size=self.padded_vocab_size,
@@ -165,8 +214,22 @@ class GPTModelProvider(TransformerConfig):
             rope_scaling=self.rope_scaling,
             rope_scaling_factor=self.rope_scaling_factor,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel,
             vp_stage=vp_stage,
+            **self._logit_dtype_kwarg(),
         )
+
+    def _logit_dtype_kwarg(self) -> dict:
+        """``logit_dtype`` for ``MCoreGPTModel`` when one is asked for; a clear error where it is not taken."""
+        if self.logit_dtype is None:
+            return {}
+        if "logit_dtype" not in inspect.signature(MCoreGPTModel).parameters:
+            raise RuntimeError(
+                f"model.logit_dtype={self.logit_dtype} needs a megatron-core whose GPTModel takes logit_dtype "
+                "(Megatron-LM PR #6252); the installed one does not. Fix: leave logit_dtype None, or upgrade "
+                "megatron-core."
+            )
+        return {"logit_dtype": self.logit_dtype}
 
     def _layer_spec(self, vp_stage: Optional[int]) -> ModuleSpec:
         spec = self.transformer_layer_spec
@@ -177,8 +240,17 @@ class GPTModelProvider(TransformerConfig):
         return spec(self)
 
     def for_device(self, device: torch.device) -> "GPTModelProvider":
-        """A finalized copy whose parameters are created on ``device``'s side (on CPU without a GPU)."""
+        """A finalized copy whose parameters are created on ``device``'s side (on CPU without a GPU).
+
+        The fused cross entropy is turned off where its kernel is missing: on CPU, and for Transformer Engine's
+        (``cross_entropy_fusion_impl="te"``) where Transformer Engine is not usable.
+        """
         provider = copy.copy(self)
         provider.use_cpu_initialization = self.use_cpu_initialization or device.type == "cpu"
+        if provider.cross_entropy_loss_fusion and (
+            device.type == "cpu" or (provider.cross_entropy_fusion_impl == "te" and not transformer_engine_usable())
+        ):
+            logger.info("fused cross entropy (%s) has no kernel here: unfused", provider.cross_entropy_fusion_impl)
+            provider.cross_entropy_loss_fusion = False
         provider.finalize()
         return provider

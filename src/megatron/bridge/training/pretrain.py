@@ -108,7 +108,6 @@ def _pretrain(
     started_at = time.time()  # the same start as a timestamp: events and goodput compare it with other processes'
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.builders import build_train_valid_test_data_iterators, started
-    from megatron.bridge.models.distributed import provide_distributed_model
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
     rank = int(os.environ.get("RANK", "0"))
@@ -195,7 +194,10 @@ def _pretrain(
         set_seeds(cfg.rng.seed)
         init_rerun_state(cfg)
         rerun = RerunController(cfg.rerun_state_machine, cfg.checkpoint.save)
-        model = provide_distributed_model(cfg.model, device, cfg.ddp)
+        provider = cfg.model.for_device(device)  # a copy: the config keeps what the user asked for
+        model = provider.provide_distributed_model(
+            ddp_config=cfg.ddp, use_cpu_initialization=provider.use_cpu_initialization, device=device
+        )
         setup_done()
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
