@@ -39,13 +39,15 @@ def test_handler_outside_the_main_thread_installs_nothing():
     seen = []
 
     def enter():
-        with DistributedSignalHandler(signal.SIGUSR2):
+        with DistributedSignalHandler(signal.SIGUSR2) as handler:
             seen.append(signal.getsignal(signal.SIGUSR2))
+        seen.append((handler.released, handler.release()))
 
     thread = threading.Thread(target=enter)
     thread.start()
     thread.join()
-    assert seen == [previous]
+    assert seen == [previous, (True, False)]  # nothing installed, yet leaving the with released it, once
+    assert signal.getsignal(signal.SIGUSR2) is previous
 
 
 def test_ignore_in_worker_ignores_the_signal():

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 class DistributedSignalHandler:
     """Records ``sig`` in this process while active; :meth:`release` (or leaving ``with``) restores the old handler.
 
-    Installed only from the main thread (Python delivers signals there); elsewhere it warns and records nothing.
+    Installed only from the main thread (Python delivers signals there); entered elsewhere it warns, records
+    nothing and leaves the handlers alone, and leaving it still marks it :attr:`released`.
     """
 
     def __init__(self, sig: int = signal.SIGTERM) -> None:
@@ -53,6 +54,7 @@ class DistributedSignalHandler:
         once instead of waiting out its timeout."""
         self._previous: Any = None
         self._installed = False
+        self._entered = False
 
     @property
     def received(self) -> bool:
@@ -84,6 +86,7 @@ class DistributedSignalHandler:
     def __enter__(self) -> "DistributedSignalHandler":
         self.received_at = None
         self.released, self.unwinding = False, None
+        self._entered = True
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not in the main thread: %s is not handled; the process will die on it", self.sig.name)
             return self
@@ -95,12 +98,20 @@ class DistributedSignalHandler:
         self.release()
 
     def release(self) -> bool:
-        """Restore the handler that was there before; ``False`` when there was nothing to release."""
-        if self.released or not self._installed:
+        """End this activation: restore the handler that was there before (if one was installed).
+
+        Returns:
+            ``True`` the first time after entering (also off the main thread, where nothing was installed);
+            ``False`` when released already or never entered.
+        """
+        if self.released or not self._entered:
             return False
+        self._entered = False
+        self.released = True
+        if not self._installed:
+            return True
         signal.signal(self.sig, self._previous)
         self._installed = False
-        self.released = True
         if self.unwinding is not None and self.received:
             logger.error(
                 "%s arrived while the run was ending with %s: delivered again",
