@@ -109,5 +109,5 @@ def test_with_fault_tolerance_the_job_is_requeued_and_ft_launcher_passes_the_sig
     script, _ = _sbatch_script(nemorun_home, [FaultTolerancePlugin(), PreemptionPlugin()])
     assert "#SBATCH --signal=TERM@60\n" in script
     line = next(line for line in script.splitlines() if line.startswith("srun ") and " ft_launcher " in line)
-    assert "ft.enable_ft_package=True" in line and "train.exit_signal_handler=True" in line
+    assert "ft.enable_ft_package=true" in line and "train.exit_signal_handler=True" in line
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script  # a stopped, unfinished job starts again and resumes

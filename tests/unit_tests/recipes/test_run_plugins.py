@@ -104,7 +104,7 @@ def test_local_executor_gets_ft_launcher_retries_config_and_task_overrides(nemor
     assert launcher.rank_heartbeat_timeout == 300
     assert launcher.workload_check_interval == 5.0
     assert executor.retries == 2
-    assert task.args == ["train.train_iters=100", "ft.enable_ft_package=True", "ft.calc_ft_timeouts=True"]
+    assert task.args == ["train.train_iters=100", "ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
 
     # The section timeouts reach ft_launcher through the config file named by PET_FT_CFG_PATH.
     cfg_path = Path(executor.env_vars[FT_CFG_PATH_ENV])
@@ -136,7 +136,7 @@ def test_custom_values_and_none_section_timeouts(nemorun_home):
     assert executor.launcher.workload_check_interval == 0.5
     assert executor.retries == 0
     assert executor.env_vars["KEEP"] == "1"
-    assert task.args == ["ft.enable_ft_package=True", "ft.calc_ft_timeouts=False"]
+    assert task.args == ["ft.enable_ft_package=true", "ft.calc_ft_timeouts=false"]
     cfg = _read_ft_yaml(Path(executor.env_vars[FT_CFG_PATH_ENV]))
     assert dict(cfg.rank_section_timeouts) == {"setup": None, "step": 7.5, "checkpointing": 420.0}
     assert (cfg.initial_rank_heartbeat_timeout, cfg.rank_heartbeat_timeout) == (60, 30)
@@ -159,8 +159,8 @@ def test_existing_ft_overrides_are_replaced_not_duplicated(nemorun_home):
     assert task.args == [
         "train.train_iters=100",
         "ft.simulate_fault=true",
-        "ft.enable_ft_package=True",
-        "ft.calc_ft_timeouts=False",
+        "ft.enable_ft_package=true",
+        "ft.calc_ft_timeouts=false",
     ]
 
 
@@ -229,7 +229,7 @@ def test_other_executors_get_ft_launcher_without_the_section_file(nemorun_home, 
     assert isinstance(executor.launcher, run.FaultTolerance) and executor.retries == 2
     assert FT_CFG_PATH_ENV not in executor.env_vars
     assert "reach ft_launcher only through LocalExecutor and SlurmExecutor" in caplog.text
-    assert task.args[-2:] == ["ft.enable_ft_package=True", "ft.calc_ft_timeouts=True"]
+    assert task.args[-2:] == ["ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
 
 
 def test_a_converter_writes_the_script_arguments(nemorun_home):
@@ -299,7 +299,7 @@ def test_sbatch_script_runs_ft_launcher_with_restarts_timeouts_and_requeue(nemor
     assert "--ft-workload_check_interval 5.0" in cmd
     assert "--nproc-per-node 2" in cmd
     assert cmd.endswith(
-        "/abs/examples/pretrain_tiny_gpt.py train.train_iters=100 ft.enable_ft_package=True ft.calc_ft_timeouts=True"
+        "/abs/examples/pretrain_tiny_gpt.py train.train_iters=100 ft.enable_ft_package=true ft.calc_ft_timeouts=true"
     )
     assert "--no-python" not in cmd
     assert "#SBATCH --ntasks-per-node=1" in script  # one ft_launcher per node, it starts the 2 ranks
@@ -391,7 +391,7 @@ def test_local_launch_starts_two_ranks_under_ft_launcher_with_the_config(nemorun
     assert [p.name for p in ranks] == ["rank0.json", "rank1.json"], logs[-4000:]
     for path in ranks:
         seen = json.loads(path.read_text())
-        assert seen["argv"] == ["train.train_iters=3", "ft.enable_ft_package=True", "ft.calc_ft_timeouts=True"]
+        assert seen["argv"] == ["train.train_iters=3", "ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
         assert seen["restart"] == "0"
         assert seen["sections"] == {"setup": 600.0, "step": 90.0, "checkpointing": 420.0}
         assert seen["out_of_section"] == 300.0
@@ -421,7 +421,7 @@ def test_a_recipe_run_by_name_keeps_its_name_first_under_the_plugins(nemorun_hom
     FaultTolerancePlugin().setup(task, executor)
     PreemptionPlugin().setup(task, executor)
     assert task.args[:2] == ["llama3_tiny_pretrain_config", "train.train_iters=9"]
-    assert "ft.enable_ft_package=True" in task.args and "train.exit_signal_handler=True" in task.args
+    assert "ft.enable_ft_package=true" in task.args and "train.exit_signal_handler=True" in task.args
     assert Path(task.path).exists()
 
 

@@ -14,9 +14,10 @@ training config through dotted overrides::
     task = run.Script(path="examples/pretrain_tiny_gpt.py", entrypoint="python", args=["train.train_iters=100"])
     run.run(task, executor=run.LocalExecutor(ntasks_per_node=2), plugins=[FaultTolerancePlugin()])
 
-Both plugins take a ``run.Script`` (the settings become dotted overrides appended to its arguments, Python literals
-such as ``ft.enable_ft_package=True``; a ``script_args_converter_fn`` may write them differently) or a
-``run.Partial`` whose ``config`` is a ``ConfigContainer`` (the settings are set on it), on any executor.
+Both plugins take a ``run.Script`` (the settings become dotted overrides appended to its arguments, spelled as
+Megatron-Bridge's plugins spell them: ``ft.enable_ft_package=true``, ``train.exit_signal_handler=True``; a
+``script_args_converter_fn`` may write them differently) or a ``run.Partial`` whose ``config`` is a
+``ConfigContainer`` (the settings are set on it), on any executor.
 
 How the settings reach ``ft_launcher`` (nemo_run 0.11): nemo_run's ``FaultTolerance`` launcher turns
 ``max_restarts``, the heartbeat timeouts and ``workload_check_interval`` into ``--max-restarts``/``--ft-*`` flags, but
@@ -84,7 +85,11 @@ class FaultTolerancePluginScriptArgs:
 
 
 def _default_fault_tolerance_converter(args: FaultTolerancePluginScriptArgs) -> list[str]:
-    return [f"ft.enable_ft_package={args.enable_ft_package!r}", f"ft.calc_ft_timeouts={args.calc_ft_timeouts!r}"]
+    # Lower-case booleans, as Megatron-Bridge writes them (its Hydra-style overrides); the override parser takes both.
+    return [
+        f"ft.enable_ft_package={str(args.enable_ft_package).lower()}",
+        f"ft.calc_ft_timeouts={str(args.calc_ft_timeouts).lower()}",
+    ]
 
 
 @dataclass
