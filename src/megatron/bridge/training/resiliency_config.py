@@ -9,7 +9,7 @@ them from ``megatron.bridge.training.config``, as in Megatron-Bridge; they live 
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron.bridge.utils.fields import named_fields
+from megatron.bridge.utils.fields import fail, named_fields
 
 
 @named_fields
@@ -79,6 +79,56 @@ class NVRxStragglerDetectionConfig:
     """Time every n-th entry of each detection section (the step section once per step, the forward section once
     per micro-batch); 1 times all of them."""
 
+    def finalize(self) -> None:
+        """Check this section's settings when detection is enabled; changes nothing, so calling it again is harmless.
+
+        ``ConfigContainer.validate`` calls it (Megatron-Bridge's ``finalize`` of a config section); the checks that
+        involve other sections stay there.
+
+        Raises:
+            ConfigError: a ``ValueError`` naming the field and the fix.
+        """
+        if not self.enabled:
+            return
+        if not (self.calc_relative_gpu_perf or self.calc_individual_gpu_perf):
+            fail(
+                "nvrx_straggler.calc_relative_gpu_perf",
+                "both score kinds are off (and nvrx_straggler.calc_individual_gpu_perf), so nothing would be detected",
+                "set nvrx_straggler.calc_relative_gpu_perf=true or nvrx_straggler.calc_individual_gpu_perf=true",
+            )
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                fail(
+                    f"nvrx_straggler.{name}",
+                    f"must be in (0, 1], got {value} (a score is this rank's speed over the reference speed)",
+                    "use e.g. 0.7 to flag ranks more than ~1.4x slower",
+                )
+        if self.report_time_interval <= 0:
+            fail(
+                "nvrx_straggler.report_time_interval",
+                f"the report_time_interval must be positive (seconds between reports), got {self.report_time_interval}",
+                "use e.g. 300",
+            )
+        if self.profiling_interval < 1:
+            fail(
+                "nvrx_straggler.profiling_interval",
+                f"must be >= 1, got {self.profiling_interval}",
+                "use 1 to time every step",
+            )
+        if self.stop_after_consecutive_reports < 1:
+            fail(
+                "nvrx_straggler.stop_after_consecutive_reports",
+                f"must be >= 1, got {self.stop_after_consecutive_reports}",
+                "use 1 to stop at the first report that flags a rank",
+            )
+        if self.num_gpu_perf_scores_to_print < 0:
+            fail(
+                "nvrx_straggler.num_gpu_perf_scores_to_print",
+                f"must be >= 0, got {self.num_gpu_perf_scores_to_print}",
+                "use e.g. 5",
+            )
+
 
 @named_fields
 @dataclass
@@ -111,6 +161,10 @@ def is_enabled(section: Optional[object], flag: str = "enabled") -> bool:
 
 INPROCESS_STORE_PORT_OFFSET = 2
 """In-process restart's store listens on ``MASTER_PORT + 2`` (the launcher's store is on ``MASTER_PORT``)."""
+
+INPROCESS_COORDINATION_PORT_OFFSET = 1
+"""In-process restart's coordination store (the one every iteration builds its process groups on) listens on
+``MASTER_PORT + 1``; rank 0 hosts it."""
 
 
 @named_fields

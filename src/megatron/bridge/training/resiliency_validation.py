@@ -71,44 +71,9 @@ def _validate_straggler(cfg: ConfigContainer) -> None:
             "the legacy megatron-core straggler detector is not available in megatron.bridge",
             "set straggler.log_straggler=false and nvrx_straggler.enabled=true",
         )
+    s.finalize()  # the section's own checks
     if not s.enabled:
         return
-    if not (s.calc_relative_gpu_perf or s.calc_individual_gpu_perf):
-        _fail(
-            "nvrx_straggler.calc_relative_gpu_perf",
-            "both score kinds are off (and nvrx_straggler.calc_individual_gpu_perf), so nothing would be detected",
-            "set nvrx_straggler.calc_relative_gpu_perf=true or nvrx_straggler.calc_individual_gpu_perf=true",
-        )
-    for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
-        value = getattr(s, name)
-        if not 0.0 < value <= 1.0:
-            _fail(
-                f"nvrx_straggler.{name}",
-                f"must be in (0, 1], got {value} (a score is this rank's speed over the reference speed)",
-                "use e.g. 0.7 to flag ranks more than ~1.4x slower",
-            )
-    if s.report_time_interval <= 0:
-        _fail(
-            "nvrx_straggler.report_time_interval",
-            f"must be > 0 seconds, got {s.report_time_interval}",
-            "use e.g. 300",
-        )
-    if s.profiling_interval < 1:
-        _fail(
-            "nvrx_straggler.profiling_interval", f"must be >= 1, got {s.profiling_interval}", "use 1 to time every step"
-        )
-    if s.stop_after_consecutive_reports < 1:
-        _fail(
-            "nvrx_straggler.stop_after_consecutive_reports",
-            f"must be >= 1, got {s.stop_after_consecutive_reports}",
-            "use 1 to stop at the first report that flags a rank",
-        )
-    if s.num_gpu_perf_scores_to_print < 0:
-        _fail(
-            "nvrx_straggler.num_gpu_perf_scores_to_print",
-            f"must be >= 0, got {s.num_gpu_perf_scores_to_print}",
-            "use e.g. 5",
-        )
     if s.stop_if_detected and cfg.checkpoint.save is None:
         logger.warning(
             "nvrx_straggler.stop_if_detected is on but checkpoint.save is not set: a straggler stops the run "
