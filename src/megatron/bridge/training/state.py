@@ -167,6 +167,10 @@ class GlobalState:
         """Forget every per-run handle so that an in-process restart builds new ones; config and ft state stay."""
         self._train_state = None
         self._signal_handler = None
+        if self._nvrx_straggler_manager is not None:  # its detector is process-global: free it for the next manager
+            from megatron.bridge.training.nvrx_straggler import safe_shutdown_nvrx_straggler_manager
+
+            safe_shutdown_nvrx_straggler_manager(self._nvrx_straggler_manager)
         self._nvrx_straggler_manager = None
         self._nvrx_straggler_created = False
         self._async_calls_queue = None
