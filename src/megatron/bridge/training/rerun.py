@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training import event_stream
+from megatron.bridge.training import event_stream, losses
 from megatron.bridge.training.checkpoint import layout
 from megatron.bridge.training.config import RerunStateMachineConfig
 from megatron.bridge.training.event_stream import EventKind, Mechanism
@@ -45,9 +45,6 @@ from megatron.bridge.utils.fs import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
-NAN_MESSAGE = "found NaN in local forward loss calculation"
-INF_MESSAGE = "found Inf in local forward loss calculation"
-SPIKY_MESSAGE = "Spiky loss"
 ATTEMPTS_FILE = "rerun_attempts.json"
 """Per-job record of the exit-16 restarts for one step, next to the checkpoints."""
 
@@ -70,7 +67,7 @@ def build_rerun_state_machine(cfg: RerunStateMachineConfig) -> Any:
     global _checks
     _checks = cfg
     tracker = tensor_parallel.get_cuda_rng_tracker
-    return BridgeRerunStateMachine(
+    machine = BridgeRerunStateMachine(
         # The model-parallel RNG tracker (dropout) must replay too; python/numpy/torch states upstream saves itself.
         state_save_func=lambda: {"tracker": tracker().get_states()},
         # set_states keeps the dict it is given and later forks write into it: hand it a copy, or a second restore
@@ -83,6 +80,8 @@ def build_rerun_state_machine(cfg: RerunStateMachineConfig) -> Any:
         ),
         result_rejected_tracker_filename=cfg.result_rejected_tracker_filename,
     )
+    machine.spiky_loss_factor = cfg.spiky_loss_factor  # what ``losses.masked_next_token_loss`` compares spikes with
+    return machine
 
 
 def _report_determinism_stats(machine: Any) -> None:
@@ -119,6 +118,8 @@ def check_losses(forward_step: Callable) -> Callable:
     @functools.wraps(forward_step)
     def checked_forward_step(*args: Any, **kwargs: Any) -> tuple[Any, Callable]:
         output, loss_func = forward_step(*args, **kwargs)
+        if isinstance(loss_func, functools.partial) and loss_func.func is losses.masked_next_token_loss:
+            return output, loss_func  # it checks its own loss, as its check_for_* flags say
 
         def checked_loss_func(*loss_args: Any, **loss_kwargs: Any) -> Any:
             outputs = loss_func(*loss_args, **loss_kwargs)
@@ -137,26 +138,7 @@ def validate_loss(loss: torch.Tensor) -> None:
     """Check one micro-batch's loss (called where the loss is computed, inside the forward-backward passes)."""
     if _checks is None:
         return
-    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
-
-    machine = get_rerun_state_machine()
-    flagged = machine.rerun_requested
-    if _checks.check_for_nan_in_loss and machine.get_mode() != RerunMode.DISABLED:
-        # Disabled mode: upstream would raise on this rank alone; RerunController.end_step decides for all ranks.
-        machine.validate_result(loss, torch.isnan, NAN_MESSAGE, tolerance=0.0, fatal=True)
-        machine.validate_result(loss, torch.isinf, INF_MESSAGE, tolerance=0.0, fatal=True)
-    if _checks.check_for_spiky_loss:
-        is_spiky = functools.partial(machine.is_unexpectedly_large, threshold=_checks.spiky_loss_factor, context="loss")
-        machine.validate_result(loss, is_spiky, SPIKY_MESSAGE, tolerance=0.0, fatal=False)
-    if machine.rerun_requested and not flagged and machine.failed_validation_call is not None:
-        _report_detection(machine.failed_validation_call.caller.message, machine.current_iteration)
-
-
-def _report_detection(message: str, iteration: int) -> None:
-    """A result of this rank just failed a check: a ``fault_detected`` event (the state machine re-runs the step)."""
-    mechanism = Mechanism.RERUN_SPIKE if message == SPIKY_MESSAGE else Mechanism.RERUN_NAN
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    event_stream.emit(EventKind.FAULT_DETECTED, mechanism=mechanism, rank=rank, iteration=iteration, detail=message)
+    losses.validate_loss_value(loss, _checks.check_for_nan_in_loss, _checks.check_for_spiky_loss)
 
 
 @dataclass
