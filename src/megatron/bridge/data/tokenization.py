@@ -52,8 +52,12 @@ EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
 ``tokenizer_config.json``)."""
 PAD_TOKENS = ("<pad>", "<|pad|>", "[PAD]")
 """Padding tokens looked for likewise (optional: without one, megatron-core pads with an id no token has)."""
-HF_KWARGS = ("eos_token", "pad_token")
-"""The ``hf_tokenizer_kwargs`` honoured for a ``tokenizer.json``: which of its tokens end a document and pad."""
+HF_KWARGS = ("eos_token", "pad_token", "revision")
+"""The ``hf_tokenizer_kwargs`` honoured for a ``tokenizer.json``: which of its tokens end a document and pad, and the
+hub revision ``training.tokenizers.build_tokenizer`` resolved to the local path."""
+NULL_LIBRARY = "null-text"
+"""megatron-core's library name of its NullTokenizer from 0.17 on (0.16 calls it ``"null"``): the name reported on
+every release."""
 _EXAMPLES = (
     'tokenizer_type="NullTokenizer" with vocab_size, metadata_path={"library": "byte-level"}, or '
     'tokenizer_type="HuggingFaceTokenizer" with tokenizer_model=<local tokenizer.json or its directory>'
@@ -163,6 +167,7 @@ def _null_tokenizer(vocab_size: int) -> MegatronTokenizerBase:
             except (KeyError, AttributeError, ValueError, AssertionError):  # 0.19 asserts a path for a name it lacks
                 break
             if tokenizer.vocab_size == vocab_size and tokenizer.eod == vocab_size - 1:
+                tokenizer.library = NULL_LIBRARY  # read only at construction: the same tokenizer under one name
                 return tokenizer
     raise RuntimeError(
         "megatron-core's NullTokenizer gives no vocabulary of exactly vocab_size ids with its end-of-document id last; "
@@ -178,6 +183,7 @@ def _huggingface_tokenizer(config: "TokenizerConfig") -> "LocalHuggingFaceTokeni
             "set it to a local tokenizer.json or a directory holding one",
         )
     _refuse_set(config, ("vocab_file", "merge_file"), "a tokenizer.json tokenizer (its vocabulary is in the file)")
+    _refuse_set(config, ("trust_remote_code",), "a tokenizer.json tokenizer (it runs no code)")
     kwargs = dict(config.hf_tokenizer_kwargs or {})
     unknown = sorted(set(kwargs) - set(HF_KWARGS))
     if unknown:

@@ -8,7 +8,8 @@ from local files:
 - ``metadata_path={"library": "byte-level"}`` with ``tokenizer_type`` left ``None`` (Megatron-Bridge's spelling,
   read by megatron-core's ``build_tokenizer``): megatron-core's byte-level tokenizer, 512 ids.
 - ``tokenizer_type="HuggingFaceTokenizer"`` with ``tokenizer_model`` a local ``tokenizer.json`` or a directory
-  holding one (needs ``pip install 'mbridge-resiliency[data]'``).
+  holding one (needs ``pip install 'mbridge-resiliency[data]'``), or a hub name with a pinned
+  ``hf_tokenizer_kwargs["revision"]`` already in the local HuggingFace cache.
 
 The other types are refused by name rather than ignored. Nothing is ever downloaded.
 """
@@ -56,6 +57,12 @@ class TokenizerConfig:
     """Special tokens to add."""
     chat_template: Optional[str] = None
     """A Jinja chat template."""
+    chat_template_path: Optional[str] = None
+    """A file holding the Jinja chat template (a local path, or an ``msc://`` URL with megatron-core's multi-storage
+    client enabled), read into ``chat_template`` when the tokenizer is built; not with ``chat_template``."""
+    trust_remote_code: bool = False
+    """Run a hub tokenizer's own Python code; set from ``hf_tokenizer_kwargs`` when a pinned revision is resolved.
+    Refused: a ``tokenizer.json`` needs no code."""
     tiktoken_pattern: Optional[str] = None
     """Tiktoken's split pattern (``"v1"`` or ``"v2"``)."""
     tiktoken_num_special_tokens: int = 1000
@@ -69,6 +76,8 @@ class TokenizerConfig:
     force_system_message: Optional[bool] = False
     """Always insert a system message (chat tokenizers)."""
     hf_tokenizer_kwargs: Optional[dict[str, Any]] = field(default_factory=dict)
-    """More keyword arguments for a HuggingFace tokenizer."""
+    """More keyword arguments for a HuggingFace tokenizer: ``eos_token`` and ``pad_token`` (which of its tokens end a
+    document and pad) and ``revision`` (with a hub name as ``tokenizer_model``: that revision's snapshot in the local
+    HuggingFace cache)."""
     sp_tokenizer_kwargs: Optional[dict[str, Any]] = field(default_factory=dict)
     """More keyword arguments for a SentencePiece tokenizer."""
