@@ -1,9 +1,11 @@
 """Forward steps: which take the GlobalState, the GPT step's batch and loss, and the loss reduction of the loop."""
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
+from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training.gpt_step import forward_step, get_batch
 from megatron.bridge.training.losses import masked_next_token_loss
@@ -71,35 +73,74 @@ def test_masked_loss_reports_sum_and_count():
     assert reported["lm loss"].tolist() == [7.0, 3.0]
 
 
+class _Group:
+    def __init__(self, rank=0, size=1):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+class _Groups:
+    def __init__(self, pp_rank=0, pp_size=1):
+        self.pp = _Group(pp_rank, pp_size)
+        self.cp = _Group()
+
+
 class _EchoModel(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, pp_rank=0, pp_size=1):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace(seq_length=3, mtp_num_layers=None)
+        self.pg_collection = _Groups(pp_rank, pp_size)
 
     def forward(self, input_ids, position_ids, attention_mask, labels):
         self.seen = (input_ids, position_ids, attention_mask, labels)
-        return labels.float() + self.w
+        return labels.float() + self.w if labels is not None else self.w
+
+
+_BATCH = {
+    "tokens": torch.tensor([[1, 2, 3]]),
+    "labels": torch.tensor([[2, 3, 4]]),
+    "loss_mask": torch.tensor([[1.0, 1.0, 0.0]]),
+    "position_ids": torch.tensor([[0, 1, 2]]),
+}
+
+
+def _state():
+    state = GlobalState()
+    state.cfg = base_config()
+    return state
 
 
 def test_gpt_forward_step_feeds_the_model_a_causal_mask_and_returns_the_masked_loss():
-    batch = {
-        "tokens": torch.tensor([[1, 2, 3]]),
-        "labels": torch.tensor([[2, 3, 4]]),
-        "loss_mask": torch.tensor([[1.0, 1.0, 0.0]]),
-        "position_ids": torch.tensor([[0, 1, 2]]),
-    }
     model = _EchoModel()
-    output, loss_func = forward_step(GlobalState(), iter([batch]), model)
+    output, loss_func = forward_step(_state(), iter([_BATCH]), model)
     tokens, positions, mask, labels = model.seen
-    assert torch.equal(tokens, batch["tokens"]) and torch.equal(labels, batch["labels"])
+    assert torch.equal(tokens, _BATCH["tokens"]) and torch.equal(labels, _BATCH["labels"])
     assert mask.tolist() == [[[[False, True, True], [False, False, True], [False, False, False]]]]
+    assert loss_func.func is masked_next_token_loss  # it checks its own loss (rerun.check_losses leaves it)
     loss, count, _ = loss_func(output)
     assert loss.item() == 5.0 and count.item() == 2
-    assert (
-        get_batch(iter([{**batch, "attention_mask": torch.ones(1, 1, 3, 3)}]), torch.device("cpu"))[
-            "attention_mask"
-        ].dtype
-        == torch.float32
-    )  # a mask the data carries is used as is
     with pytest.raises(NotImplementedError, match="schedule plans"):
-        forward_step(GlobalState(), iter([batch]), model, return_schedule_plan=True)
+        forward_step(_state(), iter([_BATCH]), model, return_schedule_plan=True)
+
+
+def test_each_pipeline_stage_reads_what_it_needs_and_uses_the_datasets_mask(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # the stage comes from the groups
+    cfg = base_config()
+    with_mask = {**_BATCH, "attention_mask": torch.ones(1, 1, 3, 3)}
+    first = get_batch(iter([with_mask]), cfg, pg_collection=_Groups(0, 2))
+    assert first[0] is not None and first[1] is None and first[2] is None  # tokens, no labels nor loss mask
+    assert first[3].dtype == torch.float32  # a mask the data carries is used as is
+    last = get_batch(iter([with_mask]), cfg, pg_collection=_Groups(1, 2))
+    assert last[0] is None and last[1] is not None and last[2] is not None
+    middle = get_batch(iter([with_mask]), cfg, pg_collection=_Groups(1, 3))
+    assert all(x is not None for x in middle[:5])  # the dataset's mask is wanted: a middle stage reads all
+    cfg.dataset.skip_getting_attention_mask_from_dataset = True
+    untouched = iter([with_mask])
+    assert get_batch(untouched, cfg, pg_collection=_Groups(1, 3)) == (None,) * 6
+    assert next(untouched) is with_mask  # not read
