@@ -24,15 +24,32 @@ def test_train_state_round_trip_and_older_forms():
     assert from_tensors.step == 3 and type(from_tensors.step) is int and from_tensors.do_valid is True
 
 
+def test_train_state_saves_megatron_bridges_tensors_and_loads_our_older_plain_values():
+    saved = TrainState(step=9, consumed_train_samples=72, floating_point_operations_so_far=1.5e18).state_dict()
+    assert saved["step"].dtype == torch.int64 and saved["do_test"].dtype == torch.bool
+    assert saved["floating_point_operations_so_far"].dtype == torch.float64
+    older = {"step": 9, "consumed_train_samples": 72, "floating_point_operations_so_far": 7}  # before tensors
+    loaded = TrainState()
+    loaded.load_state_dict(older)
+    assert (loaded.step, loaded.consumed_train_samples, loaded.do_train) == (9, 72, False)
+    again = TrainState()
+    again.load_state_dict(saved)
+    assert again.floating_point_operations_so_far == 1.5e18 and type(again.step) is int
+
+
 def test_global_state_builds_its_handles_once_and_a_restart_forgets_them():
     cfg = base_config()
     cfg.train.exit_signal = signal.SIGUSR1
     state = GlobalState()
     state.cfg = cfg
     assert state.nvrx_straggler_manager is None  # no nvrx_straggler section: no manager, as upstream
+    assert state.signal_handler is None  # exit_signal_handler off: the signal keeps its default action
     cfg.nvrx_straggler = NVRxStragglerDetectionConfig()
+    cfg.train.exit_signal_handler = True
+    before = signal.getsignal(signal.SIGUSR1)
     state = GlobalState()
-    state.cfg = cfg
+    state.cfg = cfg  # installs the handler at once
+    assert signal.getsignal(signal.SIGUSR1) is not before
     assert state.cfg is cfg
     assert state.train_state is state.train_state
     assert isinstance(state.fault_tolerance_state, FaultToleranceState)
@@ -45,7 +62,10 @@ def test_global_state_builds_its_handles_once_and_a_restart_forgets_them():
     ft = state.fault_tolerance_state
     state.reset_for_restart()
     assert state.train_state.step == 0
-    assert state.signal_handler is not handler
+    assert handler.released and signal.getsignal(signal.SIGUSR1) is before  # released by the reset
+    assert state.signal_handler is not handler  # and entered anew
+    state.reset_for_restart()
+    assert signal.getsignal(signal.SIGUSR1) is before
     assert state.nvrx_straggler_manager is not manager
     assert state.fault_tolerance_state is ft and state.cfg is cfg  # kept over a restart
 

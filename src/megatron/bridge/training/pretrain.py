@@ -54,7 +54,7 @@ from megatron.bridge.training.rerun import RerunController, check_losses
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
-from megatron.bridge.training.utils.sig_utils import ignore_in_worker
+from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, ignore_in_worker
 from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 from megatron.bridge.utils.process_start import process_start_time
@@ -108,7 +108,6 @@ def _pretrain(
     started_at = time.time()  # the same start as a timestamp: events and goodput compare it with other processes'
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
     from megatron.bridge.data.builders import build_train_valid_test_data_iterators, started
-    from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
     rank = int(os.environ.get("RANK", "0"))
     inprocess_iteration = restart.iteration if restart is not None else 0
@@ -143,10 +142,11 @@ def _pretrain(
     checkpoints = metrics = ctx = None
     # Off when cfg.nvrx_straggler is None: a disabled manager keeps the loop free of ``if`` around each use.
     straggler = global_state.nvrx_straggler_manager or NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig())
-    signals = global_state.signal_handler
+    # Entered when the config was set on the state (train.exit_signal_handler on), or again after an in-process
+    # restart's reset; else a stand-in never entered: the scheduler's signal is trapped only when asked to.
+    signals = global_state.signal_handler or DistributedSignalHandler(cfg.train.exit_signal)
     handlers = contextlib.ExitStack()
-    if cfg.train.exit_signal_handler:  # never trap the scheduler's signal unless asked to
-        handlers.enter_context(signals)
+    handlers.callback(signals.release)
 
     def teardown_steps() -> list[Callable[[], None]]:
         return [
@@ -233,7 +233,7 @@ def _pretrain(
         # Training and validation streams, positioned by the samples consumed (a resumed run sees the same batches).
         data_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(
             cfg.dataset,
-            build_tokenizer(cfg.tokenizer),
+            global_state.tokenizer,
             train_samples=cfg.train.train_iters * cfg.train.global_batch_size,
             valid_samples=_validation_samples(cfg) if evaluating else 0,
             test_samples=0,
