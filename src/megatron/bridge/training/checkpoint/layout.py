@@ -113,9 +113,14 @@ def write_tracker(root: str, iteration: int, rank: int = 0) -> None:
 
 
 def train_state_tensors(train_state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A ``TrainState.state_dict()`` as Megatron-Bridge stores it in ``train_state.pt``: one 0-d tensor per field."""
+    """A train state as Megatron-Bridge stores it in ``train_state.pt``: one 0-d tensor per field.
+
+    ``TrainState.state_dict()`` gives them so; plain values (an older state dict) are converted.
+    """
     return {
-        name: torch.tensor(
+        name: value
+        if isinstance(value, torch.Tensor)
+        else torch.tensor(
             value, dtype=torch.float64 if name in _FLOAT_FIELDS else _TENSOR_DTYPES.get(type(value), torch.int64)
         )
         for name, value in train_state.items()

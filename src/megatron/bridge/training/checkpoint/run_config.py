@@ -27,10 +27,12 @@ def _dotted_name(obj: Any) -> str:
 
 def to_plain(obj: Any) -> Any:
     """``obj`` as YAML-safe values: dataclasses and mappings as dicts, sequences as lists, names for code and dtypes."""
-    if isinstance(obj, _SCALARS):
+    if isinstance(obj, enum.Enum):  # before the scalars: an IntEnum (a signal) is an int YAML cannot name
+        return obj.name if isinstance(obj.value, enum.Enum) else to_plain(obj.value)
+    if obj is None or type(obj) in _SCALARS:
         return obj
-    if isinstance(obj, enum.Enum):
-        return to_plain(obj.value)
+    if isinstance(obj, _SCALARS):  # a subclass of a scalar type: its plain value
+        return next(kind(obj) for kind in _SCALARS if isinstance(obj, kind))
     if isinstance(obj, torch.dtype):
         return {"_target_": str(obj), "_call_": False}
     if isinstance(obj, PurePath):
