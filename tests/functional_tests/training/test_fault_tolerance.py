@@ -71,32 +71,38 @@ def test_fault_detected_restarted_resumed_identical(reference_tp1, tmp_path, env
 
 
 def test_calculated_timeouts_are_saved_and_loaded(tmp_path):
-    # Three steps, learned at the one save, after the last step: learned from three steps of a tiny model, the step
-    # timeout is about half a second, which a load spike on a busy test machine may exceed; here no step runs under it.
+    # Saves every 3 steps. Learned after each save: `checkpointing` from the first save on (saves are synchronous), and
+    # `step` once 16 steps were seen (at the save at 18, after the last step: learned from a tiny model's steps, the
+    # step timeout is short, and a load spike on a busy test machine may exceed it; here no step runs under it).
     ckpt = tmp_path / "ckpt"
-    first = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=3")
+    first = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=18")
     assert first.exit_code == 0, tail(first)
     assert "[FaultTolerance] section timeouts (from the launcher): setup=90.0s, step=6.0s" in first.output
     assert "[FaultTolerance] section timeouts (calculated)" in first.output
     state = json.loads((ckpt / "ft_state.json").read_text())["current_timeouts"]["section"]
     learned = state["section"]
     assert sorted(state["calculated_sections"]) == ["checkpointing", "step"]
+    # A fresh start loaded no global checkpoint: its setup says nothing of a restart's, and without it the
+    # out-of-section timeout is not learned either.
     assert learned["setup"] == 90 and state["out_of_section"] == 30, "setup and out-of-section keep launcher values"
-    # Learned, not the launcher's (step:6, checkpointing:15). Each save computes the safety factor (5, the launcher's
-    # default) times the longest section seen so far on any rank, and nvrx averages that with the value it had. So
-    # the result is at least 5x the longest section before the first save (at 3). The `step` section encloses each
-    # step's measured time, the `checkpointing` section each save's blocking part. Both follow the machine's load, so
-    # neither is bounded by the launcher's value.
+    # Learned, not the launcher's (step:6, checkpointing:15). A section's first calculation is the safety factor (5,
+    # the launcher's default) times the longest time seen on any rank, and nvrx averages each later one with the value
+    # it had. So `checkpointing` is at least 5x the first save's blocking part (learned at 3), and `step` at least 5x
+    # the longest step before it was learned (the first step is a warm-up, outside the section).
     first_save = max(float(b) for b in re.findall(r"at iteration 3 to \S+ \(blocking ([\d.]+) s\)", first.output))
-    steps_to_3 = max(e.seconds for e in first.events(EventKind.STEP_COMPLETED) if e.iteration <= 3)
-    assert learned["step"] != 6 and learned["step"] >= 5 * steps_to_3, (learned, steps_to_3)
+    steps = max(e.seconds for e in first.events(EventKind.STEP_COMPLETED) if 2 <= e.iteration <= 16)
+    assert learned["step"] != 6 and learned["step"] >= 5 * steps, (learned, steps)
     assert learned["checkpointing"] != 15 and learned["checkpointing"] >= 5 * first_save, (learned, first_save)
 
-    # A restart of the finished run: it loads the learned timeouts at start-up (and has nothing left to train).
-    second = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=3")
+    # A restart of the finished run: it loads the learned timeouts at start-up, and having loaded a global checkpoint
+    # (with nothing left to train) learns `setup` at its end.
+    second = ft_launcher(ckpt, FT, "ft.calc_ft_timeouts=true", "train.train_iters=18")
     assert second.exit_code == 0, tail(second)
     expected = ", ".join(f"{name}={learned[name]:.1f}s" for name in ("setup", "step", "checkpointing"))
     assert f"[FaultTolerance] section timeouts (loaded from ft_state.json): {expected}" in second.output
+    state = json.loads((ckpt / "ft_state.json").read_text())["current_timeouts"]["section"]
+    assert sorted(state["calculated_sections"]) == ["checkpointing", "setup", "step"], state
+    assert state["section"]["setup"] != 90 and state["out_of_section"] == 30, state
 
 
 def test_restart_budget_is_bounded(tmp_path):

@@ -212,10 +212,12 @@ def on_checkpoint_loaded(is_local_chkpt: bool, global_state: Any) -> None:
 def shutdown(global_state: Any) -> None:
     """After a run that ended normally: learn the timeouts of the whole run, end all sections, disconnect.
 
-    Learning is a collective: every rank must call this (use :func:`abort` on a failure).
+    ``setup`` is closed first if no step closed it (a resumed run with nothing left to train): its time is then
+    known, and can be learned. Learning is a collective: every rank must call this (use :func:`abort` on a failure).
     """
     if global_state.rank_monitor_client is not None:
         print_rank_0("[FaultTolerance] closing")
+        _end_setup(global_state)
         _maybe_update_timeouts(global_state, is_closing_ft=True)
         _send(global_state, "end_all_sections")
         client = global_state.rank_monitor_client
