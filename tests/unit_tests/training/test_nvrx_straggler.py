@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron.bridge.training import nvrx_straggler
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
 from megatron.bridge.training.nvrx_straggler import (
     FORWARD_SECTION,
@@ -23,13 +24,20 @@ NAN = float("nan")
 
 
 def _raw(gpu_rel=None, gpu_ind=None, sec_rel=None, sec_ind=None):
-    """What nvidia-resiliency-ext's ``Report`` carries, for our report building only."""
-    return SimpleNamespace(
+    """nvidia-resiliency-ext's ``Report`` as rank 0 gets it (its ``identify_stragglers`` is the real one)."""
+    from nvidia_resiliency_ext.straggler.reporting import Report
+
+    return Report(
         gpu_relative_perf_scores=gpu_rel or {},
-        gpu_individual_perf_scores=gpu_ind or {},
         section_relative_perf_scores={FORWARD_SECTION: sec_rel or {}, "train_step": {0: 0.1, 1: 0.1}},
+        gpu_individual_perf_scores=gpu_ind or {},
         section_individual_perf_scores={FORWARD_SECTION: sec_ind or {}},
         rank_to_node={0: "node-a", 1: "node-b", 2: "node-b"},
+        local_section_summaries={},
+        local_kernel_summaries={},
+        generate_report_elapsed_time=0.0,
+        gather_on_rank0=True,
+        rank=None,
     )
 
 
@@ -111,27 +119,39 @@ class _ScriptedDetector:
         return True
 
 
-def _stops(manager, relative_scores):
-    manager._detector = _ScriptedDetector(_raw(sec_rel=s) for s in relative_scores)
+@pytest.fixture
+def scripted(monkeypatch):
+    """Installs a scripted detector in place of nvidia-resiliency-ext's for one test."""
+
+    def install(reports):
+        monkeypatch.setattr(nvrx_straggler, "straggler", SimpleNamespace(Detector=_ScriptedDetector(reports)))
+
+    return install
+
+
+def _stops(manager, relative_scores, scripted):
+    scripted(_raw(sec_rel=s) for s in relative_scores)
+    manager.initialized = True  # the scripted detector needs no initialization
     return [manager.check(i).stop_reason for i in range(1, len(relative_scores) + 1)]
 
 
-def test_stop_waits_for_the_same_rank_flagged_in_consecutive_reports(caplog):
+def test_stop_waits_for_the_same_rank_flagged_in_consecutive_reports(caplog, scripted):
     healthy, rank1_slow, rank0_slow = {0: 1.0, 1: 1.0}, {0: 1.0, 1: 0.1}, {0: 0.1, 1: 1.0}
-    assert [r is not None for r in _stops(_manager(stop_if_detected=True), [healthy, rank1_slow])] == [False, True]
+    stops = _stops(_manager(stop_if_detected=True), [healthy, rank1_slow], scripted)
+    assert [r is not None for r in stops] == [False, True]
     manager = _manager(stop_if_detected=True, stop_after_consecutive_reports=2)
     with caplog.at_level("WARNING"):
-        stops = _stops(manager, [rank1_slow, healthy, rank1_slow, rank0_slow, rank1_slow, rank1_slow])
+        stops = _stops(manager, [rank1_slow, healthy, rank1_slow, rank0_slow, rank1_slow, rank1_slow], scripted)
     assert stops[:5] == [None] * 5  # a passing slowdown, then two different ranks: never twice in a row
     assert stops[5].startswith("straggler detected at iteration 6 in 2 reports in a row (Rank=1 ")
     assert "flagged so far: rank 1 x1" in caplog.text
-    assert _stops(_manager(stop_after_consecutive_reports=2), [rank1_slow] * 3) == [None] * 3  # no stop_if_detected
+    assert _stops(_manager(stop_after_consecutive_reports=2), [rank1_slow] * 3, scripted) == [None] * 3
 
 
-def test_reports_go_to_the_configured_logger(caplog):
+def test_reports_go_to_the_configured_logger(caplog, scripted):
     rank1_slow = {0: 1.0, 1: 0.1}
     with caplog.at_level("INFO"):
-        _stops(_manager(logger_name="my.job.stragglers", stop_if_detected=True), [rank1_slow])
+        _stops(_manager(logger_name="my.job.stragglers", stop_if_detected=True), [rank1_slow], scripted)
     by_logger = {(r.name, r.levelname) for r in caplog.records}
     assert ("my.job.stragglers", "INFO") in by_logger, "the report"
     assert ("my.job.stragglers", "WARNING") in by_logger, "the flagged rank"
@@ -147,8 +167,6 @@ def test_disabled_manager_changes_nothing():
 
     assert manager.wrap_forward_step(step) is step
     assert manager.wrap_train_step_function(step) is step
-    with manager.step_section():
-        pass
     assert manager.check(1) is None
     assert check_nvrx_straggler_detection(manager) is False and manager.last_check is None
     assert check_nvrx_straggler_detection(None) is False
@@ -165,7 +183,8 @@ def test_safe_shutdown_logs_a_failure_and_goes_on(caplog):
     with caplog.at_level("ERROR"):
         safe_shutdown_nvrx_straggler_manager(manager, logger_name="test_straggler")
         safe_shutdown_nvrx_straggler_manager(None)
-    assert "shutdown failed" in caplog.text and "detector gone" in caplog.text
+    assert "Error shutting down NVRx straggler detection: detector gone" in caplog.text
+    assert "Traceback" in caplog.text  # where it failed, for the teardown's log
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the CPU path of the detector")
@@ -194,3 +213,63 @@ def test_real_detector_reports_on_one_process(caplog):
     assert math.isclose(done[0].scalars["straggler/relative_perf_score_min"], 1.0, rel_tol=1e-6)
     assert done[0].stop_reason is None
     assert "GPU relative performance:" in caplog.text
+
+
+def test_a_restart_frees_the_detector_for_the_next_iterations_manager():
+    from tests.unit_tests.configs import base_config
+
+    from megatron.bridge.training.state import GlobalState
+
+    if not torch.cuda.is_available():  # the detector's CUDA profiling then runs on the CPU stand-ins
+        from megatron.bridge.utils.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    cfg = base_config()
+    cfg.nvrx_straggler = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=0.02)
+    state = GlobalState()
+    state.cfg = cfg
+    first = state.nvrx_straggler_manager
+    first.initialize()
+    second = None
+    try:
+        step = first.wrap_train_step_function(lambda: "stepped")
+        assert step is not None and step() == "stepped"
+        state.reset_for_restart()  # an in-process restart: the aborted iteration's manager is shut down
+        assert not first.initialized and first.wrapped_function is None
+        assert not nvrx_straggler.straggler.Detector.initialized
+        first.shutdown()  # idempotent: the run's own teardown may shut it down again
+        second = state.nvrx_straggler_manager
+        assert second is not first
+        second.initialize()  # the detector allows one initialization per process until it is shut down
+        assert second.initialized and second.wrap_train_step_function(lambda: 3)() == 3
+    finally:
+        safe_shutdown_nvrx_straggler_manager(second)
+        safe_shutdown_nvrx_straggler_manager(first)
+    assert not nvrx_straggler.straggler.Detector.initialized
+
+
+def test_initialize_twice_and_missing_package(monkeypatch):
+    manager = _manager()
+    manager.initialized = True
+    with pytest.raises(RuntimeError, match="already initialized"):
+        manager.initialize()
+    monkeypatch.setattr(nvrx_straggler, "HAVE_NVRX", False)
+    with pytest.raises(ImportError, match="nvidia-resiliency-ext is not available"):
+        _manager()
+    NVRxStragglerDetectionManager(NVRxStragglerDetectionConfig())  # off: the package is not needed
+
+
+def test_finalize_checks_an_enabled_section_and_changes_nothing():
+    off = NVRxStragglerDetectionConfig(report_time_interval=-1.0)
+    off.finalize()  # disabled: nothing to check
+    cfg = NVRxStragglerDetectionConfig(enabled=True, num_gpu_perf_scores_to_print=2)
+    before = NVRxStragglerDetectionConfig(**vars(cfg))
+    cfg.finalize()
+    cfg.finalize()
+    assert cfg == before
+    cfg.report_time_interval = -100.0
+    with pytest.raises(ValueError, match=r"^nvrx_straggler\.report_time_interval: .*must be positive"):
+        cfg.finalize()
+    cfg.report_time_interval, cfg.calc_relative_gpu_perf, cfg.calc_individual_gpu_perf = 1.0, False, False
+    with pytest.raises(ValueError, match=r"^nvrx_straggler\.calc_relative_gpu_perf: both score kinds are off"):
+        cfg.finalize()

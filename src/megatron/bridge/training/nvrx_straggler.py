@@ -1,7 +1,8 @@
 """NVRx straggler detection: per-rank performance scores from nvidia-resiliency-ext's straggler ``Detector``.
 
-Every rank times two detection sections per step: the whole training step (its CUDA kernels are profiled, which
-gives the "GPU" scores) and each forward step (CPU wall time). Every ``report_time_interval`` seconds, turned by the
+Every rank times two detection sections per step: the whole training step (wrapped by the detector's
+``wrap_callables``; its CUDA kernels are profiled, which gives the "GPU" scores) and each forward step (CPU wall
+time). Every ``report_time_interval`` seconds, turned by the
 detector into a number of steps that is the same on every rank, all ranks build a report together:
 
 * a *relative* score is the fastest rank's time over this rank's time (0.5: this rank is 2x slower than the best);
@@ -10,43 +11,75 @@ detector into a number of steps that is the same on every rank, all ranks build 
 Rank 0 logs the report in the format NeMo users know (``GPU relative performance:``, ``Worst performing N/M
 ranks:``, ``Rank=… Node=… Score=…``, ``Straggler report processing time: … sec.``) and flags every rank whose score
 is below its threshold (and writes the scores as a ``straggler_report`` event, each flagged rank as a
-``fault_detected`` one: ``event_stream.py``). With ``stop_if_detected`` rank 0 broadcasts the decision, so all
-ranks stop after the same step (the train loop then saves and exits with ``ExitCode.STRAGGLER_STOP``).
+``fault_detected`` one: ``event_stream.py``); nvidia-resiliency-ext's own verdict on the kernel scores is logged as
+Megatron-Bridge logs it (``STRAGGLER DETECTION WARNING: …``). With ``stop_if_detected`` rank 0 broadcasts the
+decision (a one-element tensor), so all ranks stop after the same step (the train loop then saves and exits with
+``ExitCode.STRAGGLER_STOP``).
 
 Without CUDA there are no kernel timings: the scores then come from the forward step's wall time, which excludes
 the gradient all-reduce (in the whole step every rank waits for the slowest one, so all would look alike), and
 the report says so.
 
+The detector is process-global (nvidia-resiliency-ext allows one ``Detector.initialize`` per process until its
+``shutdown``): :meth:`NVRxStragglerDetectionManager.shutdown` is idempotent, and an in-process restart shuts the
+aborted iteration's manager down (``GlobalState.reset_for_restart``) so that the next iteration's manager can
+initialize the detector again.
+
 Example:
     >>> manager = NVRxStragglerDetectionManager(cfg.nvrx_straggler)
     >>> manager.initialize()  # after torch.distributed is initialized
     >>> forward_step = manager.wrap_forward_step(forward_step)
-    >>> with manager.step_section():
-    ...     train_step()
+    >>> timed_step = manager.wrap_train_step_function(train_step)
+    >>> timed_step()
     >>> result = manager.check(iteration)  # every step, on every rank
 """
 
-import contextlib
 import functools
+import importlib
 import logging
 import math
-import socket
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import NVRxStragglerDetectionConfig
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.utils.dist import broadcast_from_rank0
-from megatron.bridge.utils.optional_imports import straggler_package
+from megatron.bridge.utils.optional_imports import STRAGGLER_PACKAGES
 
-STEP_SECTION = "train_step"
-"""Detection section around the whole training step; its CUDA kernels give the GPU scores."""
+
+def _import_straggler_package() -> tuple[Any, Optional[str]]:
+    """nvidia-resiliency-ext's straggler package (newest layout first) and ``None``, or ``None`` and why not.
+
+    Any exception counts as "not available", not only ``ImportError``: the newer layout lives under
+    ``nvidia_resiliency_ext.attribution``, whose package imports log-analysis dependencies that can fail in other
+    ways (a version conflict raising at import). This module is imported by the training loop, so such a failure
+    must only switch straggler detection off, not break training without it.
+    """
+    errors = []
+    for name in STRAGGLER_PACKAGES:
+        try:
+            return importlib.import_module(name), None
+        except Exception as err:  # noqa: BLE001 - see above
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+    return None, "; ".join(errors)
+
+
+straggler, _STRAGGLER_IMPORT_ERROR = _import_straggler_package()
+"""nvidia-resiliency-ext's straggler package (``Detector``, ``CallableId``), or ``None`` when not importable."""
+HAVE_NVRX = straggler is not None
+"""Whether nvidia-resiliency-ext's straggler detector can be used in this environment."""
+MISSING_NVRX_MSG = (
+    "nvidia-resiliency-ext is not available, and nvrx_straggler.enabled=true needs its straggler detector: "
+    "pip install 'nvidia-resiliency-ext>=0.4' (or set nvrx_straggler.enabled=false)"
+)
+
 FORWARD_SECTION = "forward_step"
 """Detection section around each forward step; its wall time gives the scores when there is no kernel timing."""
 
@@ -111,15 +144,10 @@ class StragglerReport:
         lines = [f"Straggler report at iteration {self.iteration} (scores from {self.source}):"]
         for block in self.blocks:
             lines.append(f"{block.title}:")
-            scores = block.scores
-            worst = sorted(scores, key=lambda r: (math.isnan(scores[r]), scores[r]))
-            best = sorted(scores, key=lambda r: (math.isnan(scores[r]), -scores[r]))
-            n = min(num_to_print, len(worst))
-            for label, ranks in (("Worst", worst[:n]), ("Best", best[:n])):
-                lines.append(f"{label} performing {n}/{len(worst)} ranks:")
-                lines += [
-                    f"Rank={r} Node={self.rank_to_node.get(r, '<unk>')} Score={block.scores[r]:.2f}" for r in ranks
-                ]
+            scores = NVRxStragglerDetectionManager._format_gpu_scores(
+                block.scores, self.rank_to_node, num_best=num_to_print, num_worst=num_to_print
+            )
+            lines += scores.splitlines()
         lines.append(f"Straggler report processing time: {self.processing_time:.3f} sec.")
         return "\n".join(lines)
 
@@ -147,39 +175,67 @@ class StragglerCheck:
 
 
 class NVRxStragglerDetectionManager:
-    """Owns the (process-global) ``Detector`` for one training run; every method is a no-op when disabled."""
+    """Owns the process-global ``Detector`` for one training run; every method is a no-op when disabled.
+
+    Args:
+        config: the ``nvrx_straggler`` section.
+
+    Raises:
+        ImportError: detection is enabled but nvidia-resiliency-ext is not importable (a disabled manager needs
+            nothing).
+    """
 
     def __init__(self, config: NVRxStragglerDetectionConfig) -> None:
+        if config.enabled and not HAVE_NVRX:
+            raise ImportError(f"{MISSING_NVRX_MSG} ({_STRAGGLER_IMPORT_ERROR})")
         self.config = config
-        self.enabled = config.enabled
-        self.log = logging.getLogger(config.logger_name)
+        self.logger = logging.getLogger(config.logger_name)
         """Where the reports, flagged ranks and stop decisions go (``nvrx_straggler.logger_name``)."""
-        self._detector: Any = None
+        self.initialized = False
+        """This manager holds the initialized ``Detector`` (from :meth:`initialize` until :meth:`shutdown`)."""
+        self.wrapped_function: Any = None
+        """The timed training step :meth:`wrap_train_step_function` returned, until :meth:`shutdown`."""
+        self.scores_to_compute: list[str] = []
+        """The score kinds the detector computes (``Detector.initialize``'s ``scores_to_compute``)."""
+        if config.calc_relative_gpu_perf:
+            self.scores_to_compute.append("relative_perf_scores")
+        if config.calc_individual_gpu_perf:
+            self.scores_to_compute.append("individual_perf_scores")
         self._checks = 0
         self._streaks: dict[int, int] = {}
         """Rank -> reports in a row that flagged it (rank 0), for ``stop_after_consecutive_reports``."""
         self.last_check: Optional[StragglerCheck] = None
         """What the latest :meth:`check` found (``None`` when no report was due)."""
 
+    @property
+    def enabled(self) -> bool:
+        """``nvrx_straggler.enabled``."""
+        return self.config.enabled
+
+    @property
+    def active(self) -> bool:
+        """Enabled and initialized: the detector times sections and reports."""
+        return self.enabled and self.initialized
+
     def initialize(self) -> None:
-        """Set up the detector; call on every rank after ``torch.distributed`` is initialized."""
+        """Set up the detector; call on every rank after ``torch.distributed`` is initialized.
+
+        Raises:
+            RuntimeError: this manager is initialized already (call :meth:`shutdown` first).
+        """
+        if self.initialized:
+            raise RuntimeError("NVRxStragglerDetectionManager is already initialized; shut it down first")
         if not self.enabled:
+            self.logger.debug("NVRx straggler detection is off (nvrx_straggler.enabled=false)")
             return
-        detector = straggler_package().Detector
-        scores = []
-        if self.config.calc_relative_gpu_perf:
-            scores.append("relative_perf_scores")
-        if self.config.calc_individual_gpu_perf:
-            scores.append("individual_perf_scores")
-        detector.initialize(
-            scores_to_compute=scores,
+        straggler.Detector.initialize(
+            scores_to_compute=self.scores_to_compute,
             gather_on_rank0=True,
             profiling_interval=self.config.profiling_interval,
             report_time_interval=self.config.report_time_interval,
-            node_name=socket.gethostname(),
         )
-        self._detector = detector
-        self.log.info(
+        self.initialized = True
+        self.logger.info(
             "NVRx straggler detection on: report every %.1f s, thresholds relative %s / individual %s, "
             "stop_if_detected=%s",
             self.config.report_time_interval,
@@ -189,34 +245,41 @@ class NVRxStragglerDetectionManager:
         )
 
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
-        """Time every call of ``forward_step`` in the forward detection section."""
-        if not self.enabled:
+        """Time every call of ``forward_step`` in the forward detection section (CPU wall time only)."""
+        if not self.active:
             return forward_step
 
         @functools.wraps(forward_step)
         def timed_forward_step(*args: Any, **kwargs: Any) -> Any:
-            with self._detector.detection_section(FORWARD_SECTION, profile_cuda=False):
+            with straggler.Detector.detection_section(FORWARD_SECTION, profile_cuda=False):
                 return forward_step(*args, **kwargs)
 
         return timed_forward_step
 
-    def step_section(self) -> contextlib.AbstractContextManager:
-        """Context manager around one training step (CUDA kernels inside are profiled)."""
-        if not self.enabled:
-            return contextlib.nullcontext()
-        return self._detector.detection_section(STEP_SECTION, profile_cuda=True)
-
     def wrap_train_step_function(self, train_step_func: Callable) -> Callable:
-        """``train_step_func`` timed as the step section (what :meth:`step_section` does around a block)."""
-        if not self.enabled:
+        """``train_step_func`` timed as one detection section whose CUDA kernels are profiled (the GPU scores).
+
+        nvidia-resiliency-ext wraps methods of an object (``Detector.wrap_callables``), so the step becomes the
+        ``train_step`` method of a small callable holder; the detector's ``shutdown`` puts the original back. The
+        holder is returned and kept until :meth:`shutdown`; a second call returns it again (with a warning).
+
+        Returns:
+            The callable to use instead of ``train_step_func``; ``train_step_func`` itself when detection is off,
+            not initialized, or the detector cannot wrap it (logged).
+        """
+        if not self.active:
             return train_step_func
-
-        @functools.wraps(train_step_func)
-        def timed_train_step(*args: Any, **kwargs: Any) -> Any:
-            with self.step_section():
-                return train_step_func(*args, **kwargs)
-
-        return timed_train_step
+        if self.wrapped_function is not None:
+            self.logger.warning("the training step is already wrapped for straggler detection; reusing that wrapper")
+            return self.wrapped_function
+        holder = _StepHolder(train_step_func)
+        try:
+            straggler.Detector.wrap_callables(callable_ids=[straggler.CallableId(holder, "train_step")])
+        except Exception as err:  # noqa: BLE001 - training goes on untimed rather than failing
+            self.logger.warning("straggler detection cannot time the training step (%s); it runs untimed", err)
+            return train_step_func
+        self.wrapped_function = holder
+        return holder
 
     def check_stragglers(self, global_rank: int) -> bool:
         """Count this step; when a report is due, report and return whether to stop (``stop_if_detected``).
@@ -224,7 +287,7 @@ class NVRxStragglerDetectionManager:
         Megatron-Bridge's form of :meth:`check` (a collective, every rank after every step); the outcome is kept in
         :attr:`last_check`.
         """
-        del global_rank  # every rank takes part; rank 0 builds the report
+        del global_rank  # rank 0 is the rank the detector hands the gathered report to
         result = self.check(None)
         return result is not None and result.stop_reason is not None
 
@@ -237,49 +300,106 @@ class NVRxStragglerDetectionManager:
             iteration: the step just finished, for the report; ``None``: the steps this manager has counted.
 
         Returns:
-            ``None`` when no report was due, else the outcome for this rank.
+            ``None`` when no report was due (or detection is off), else the outcome for this rank.
         """
         self.last_check = None
-        if not self.enabled:
+        if not self.active:
             return None
         self._checks += 1
         iteration = iteration if iteration is not None else self._checks
-        start = time.perf_counter()
-        raw = self._detector.generate_report_if_interval_elapsed()
-        if not self._detector.is_interval_elapsed():
+        start = time.monotonic()
+        raw = straggler.Detector.generate_report_if_interval_elapsed()
+        if not straggler.Detector.is_interval_elapsed():
             return None
         result = StragglerCheck()
-        if raw is not None:  # rank 0
-            report = self._build_report(raw, iteration)
-            report.processing_time = time.perf_counter() - start
-            self.log.info("%s", report.format(self.config.num_gpu_perf_scores_to_print))
-            for line in report.flagged():
-                self.log.warning("Straggler detected: %s", line)
-            _emit_report(report)
-            if self.config.enable_logging:
-                result.scalars = report.scalars()
-            flagged = report.flagged_ranks()
-            self._streaks = {r: self._streaks.get(r, 0) + 1 for r in flagged}
-            needed = self.config.stop_after_consecutive_reports
-            if self.config.stop_if_detected and flagged:
-                if max(self._streaks.values()) >= needed:
-                    in_a_row = f" in {needed} reports in a row" if needed > 1 else ""
-                    result.stop_reason = (
-                        f"straggler detected at iteration {iteration}{in_a_row} ({'; '.join(report.flagged())}) "
-                        "with nvrx_straggler.stop_if_detected=true"
-                    )
-                else:
-                    self.log.warning(
-                        "Not stopping yet: a rank must be flagged in %d reports in a row "
-                        "(nvrx_straggler.stop_after_consecutive_reports); flagged so far: %s",
-                        needed,
-                        ", ".join(f"rank {r} x{n}" for r, n in sorted(self._streaks.items())),
-                    )
-            result.report = report
+        if raw is not None:  # rank 0: the detector gathers every rank's scores there
+            result.report = self._handle_straggler_report(raw, iteration, result)
+            result.report.processing_time = time.monotonic() - start
+            self.logger.info("%s", result.report.format(self.config.num_gpu_perf_scores_to_print))
         if self.config.stop_if_detected:
-            result.stop_reason = broadcast_from_rank0(result.stop_reason)
+            if self._gather_flag_from_rank0(result.stop_reason is not None) and result.stop_reason is None:
+                result.stop_reason = (
+                    f"straggler detected at iteration {iteration} (rank 0's report names the ranks) "
+                    "with nvrx_straggler.stop_if_detected=true"
+                )
+            if result.stop_reason is not None:
+                self.logger.error("Detected stragglers: training stops after this step (%s)", result.stop_reason)
         self.last_check = result
         return result
+
+    def _handle_straggler_report(self, raw: Any, iteration: int, result: StragglerCheck) -> StragglerReport:
+        """Rank 0: build the report, flag and log the stragglers, and set ``result``'s stop reason and scalars."""
+        report = self._build_report(raw, iteration)
+        # nvidia-resiliency-ext's own verdict on the kernel scores, logged as Megatron-Bridge logs it; the per-rank
+        # lines and the stop decision below come from the scores actually reported (kernel or wall time).
+        gpu_stragglers = raw.identify_stragglers(
+            gpu_rel_threshold=self.config.gpu_relative_perf_threshold,
+            gpu_indiv_threshold=self.config.gpu_individual_perf_threshold,
+        )
+        self._print_stragglers(gpu_stragglers)
+        for line in report.flagged():
+            self.logger.warning("Straggler detected: %s", line)
+        _emit_report(report)
+        if self.config.enable_logging:
+            result.scalars = report.scalars()
+        flagged = report.flagged_ranks()
+        self._streaks = {r: self._streaks.get(r, 0) + 1 for r in flagged}
+        needed = self.config.stop_after_consecutive_reports
+        if self.config.stop_if_detected and flagged:
+            if max(self._streaks.values()) >= needed:
+                in_a_row = f" in {needed} reports in a row" if needed > 1 else ""
+                result.stop_reason = (
+                    f"straggler detected at iteration {iteration}{in_a_row} ({'; '.join(report.flagged())}) "
+                    "with nvrx_straggler.stop_if_detected=true"
+                )
+            else:
+                self.logger.warning(
+                    "Not stopping yet: a rank must be flagged in %d reports in a row "
+                    "(nvrx_straggler.stop_after_consecutive_reports); flagged so far: %s",
+                    needed,
+                    ", ".join(f"rank {r} x{n}" for r, n in sorted(self._streaks.items())),
+                )
+        return report
+
+    def _print_stragglers(self, stragglers: Mapping[str, Any]) -> None:
+        """Megatron-Bridge's warnings for the GPU stragglers of ``Report.identify_stragglers``."""
+        if relative := stragglers.get("straggler_gpus_relative"):
+            self.logger.warning(
+                "STRAGGLER DETECTION WARNING: Some GPUs have worse relative performance. Affected ranks: %s",
+                relative,
+            )
+        if individual := stragglers.get("straggler_gpus_individual"):
+            self.logger.warning(
+                "STRAGGLER DETECTION WARNING: Some GPUs performance dropped. Affected ranks: %s", individual
+            )
+
+    @staticmethod
+    def _format_gpu_scores(
+        rank_to_score: Mapping[int, float], rank_to_node: Mapping[int, str], num_best: int = 3, num_worst: int = 3
+    ) -> str:
+        """The worst and the best ranks of one score kind, one ``Rank=… Node=… Score=…`` line each.
+
+        NaN scores (no timing) sort last in both lists. A rank may appear in both when there are fewer ranks than
+        ``num_best + num_worst``.
+        """
+        num_ranks = len(rank_to_score)
+        worst = sorted(rank_to_score, key=lambda r: (math.isnan(rank_to_score[r]), rank_to_score[r]))
+        best = sorted(rank_to_score, key=lambda r: (math.isnan(rank_to_score[r]), -rank_to_score[r]))
+        lines = []
+        for label, ranks in (("Worst", worst[:num_worst]), ("Best", best[:num_best])):
+            lines.append(f"{label} performing {len(ranks)}/{num_ranks} ranks:")
+            lines += [f"Rank={r} Node={rank_to_node.get(r, '<unk>')} Score={rank_to_score[r]:.2f}" for r in ranks]
+        return "\n".join(lines)
+
+    def _gather_flag_from_rank0(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a one-element broadcast; ``flag`` itself without a process group)."""
+        if not torch.distributed.is_initialized():
+            return flag
+        # NCCL needs the tensor on this rank's GPU; gloo (CPU training) takes a CPU tensor.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        flag_tensor = torch.tensor([1.0 if flag else 0.0], device=device, dtype=torch.float32)
+        torch.distributed.broadcast(flag_tensor, 0)
+        return bool(flag_tensor.item() > 0.0)
 
     def _build_report(self, raw: Any, iteration: int) -> StragglerReport:
         """Pick kernel scores when any rank has them, else the forward section's wall-time scores."""
@@ -315,10 +435,25 @@ class NVRxStragglerDetectionManager:
         )
 
     def shutdown(self) -> None:
-        """Release the detector (it is process-global); idempotent."""
-        if self._detector is not None:
-            self._detector.shutdown()
-            self._detector = None
+        """Release the process-global detector (and the wrapped step) so that a new manager can initialize it.
+
+        Idempotent: a manager that is not initialized (never, or shut down already) does nothing.
+        """
+        if not self.active:
+            return
+        straggler.Detector.shutdown()
+        self.initialized = False
+        self.wrapped_function = None
+
+
+class _StepHolder:
+    """Holds the training step as its ``train_step`` method, which ``Detector.wrap_callables`` replaces."""
+
+    def __init__(self, train_step: Callable) -> None:
+        self.train_step = train_step
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.train_step(*args, **kwargs)
 
 
 def _emit_report(report: StragglerReport) -> None:
@@ -363,7 +498,7 @@ class StragglerCallback(Callback):
             return
         if result.scalars:
             self.log_scalars(result.scalars, iteration)
-        if result.stop_reason is not None:  # the same on every rank: the decision is broadcast
+        if result.stop_reason is not None:  # on every rank alike: rank 0's decision is broadcast
             context.state.request_stop(ExitCode.STRAGGLER_STOP, result.stop_reason)
 
 
@@ -374,9 +509,7 @@ def check_nvrx_straggler_detection(nvrx_straggler_manager: Optional[NVRxStraggle
     """
     if nvrx_straggler_manager is None:
         return False
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return nvrx_straggler_manager.check_stragglers(rank)
 
 
@@ -388,5 +521,5 @@ def safe_shutdown_nvrx_straggler_manager(
         return
     try:
         manager.shutdown()
-    except Exception:  # noqa: BLE001 - the rest of the teardown still has to run
-        logging.getLogger(logger_name).exception("straggler detection: shutdown failed")
+    except Exception as err:  # noqa: BLE001 - the rest of the teardown still has to run
+        logging.getLogger(logger_name).error("Error shutting down NVRx straggler detection: %s", err, exc_info=True)

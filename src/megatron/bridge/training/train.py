@@ -255,13 +255,13 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     for chunk in ctx.model:
         chunk.train()
     _fire(ctx, "on_train_start")
+    timed_train_step = ctx.straggler.wrap_train_step_function(train_step)  # train_step itself when detection is off
     while True:
         _fire(ctx, "on_train_step_start")
         with ctx.goodput.saving():
             ctx.checkpoints.finalize(blocking=False)
         log_this_step = ctx.metrics.due(ctx.state.step + 1)
-        with ctx.straggler.step_section():
-            metrics, loss_dict, verdict = train_step(ctx, with_losses=log_this_step or ctx.user_wants_losses)
+        metrics, loss_dict, verdict = timed_train_step(ctx, with_losses=log_this_step or ctx.user_wants_losses)
         _fire(
             ctx,
             "on_train_step_end",
