@@ -14,6 +14,7 @@ from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, ConfigC
 from megatron.bridge.training.config_validation import check_precision_on_device
 from megatron.bridge.training.device_health import resolve_device
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.resiliency_config import INPROCESS_COORDINATION_PORT_OFFSET
 from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def abort_distributed() -> None:
 
     Destroying a group is not enough: NCCL communicators must be aborted, and gloo groups, which have no working
     abort, keep their connections open while anything references them; their connections are shut down instead
-    (all but the stores': the launcher's on ``MASTER_PORT``, in-process restart's on ``MASTER_PORT + 2``).
+    (all but the stores': the launcher's on ``MASTER_PORT``, in-process restart's on ``MASTER_PORT + 1`` and ``+ 2``).
     """
     # In-process restart's monitor thread may abort while the main thread unwinds: either may find the groups gone.
     try:
@@ -181,7 +182,8 @@ def abort_distributed() -> None:
                 from megatron.bridge.utils.cpu_shims import shutdown_gloo_connections
 
                 port = int(os.environ.get("MASTER_PORT", "0"))
-                shutdown_gloo_connections(keep_ports={port, port + INPROCESS_STORE_PORT_OFFSET})
+                keep = {port, port + INPROCESS_COORDINATION_PORT_OFFSET, port + INPROCESS_STORE_PORT_OFFSET}
+                shutdown_gloo_connections(keep_ports=keep)
             upstream.abort_process_groups()
         destroy_distributed()
     except (AssertionError, RuntimeError, ValueError) as err:  # already aborted or destroyed underneath

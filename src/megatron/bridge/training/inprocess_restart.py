@@ -1,30 +1,34 @@
 """In-process restart: rerun the training function in the same processes after a rank fault.
 
 nvidia-resiliency-ext's ``inprocess.Wrapper`` watches every rank (a monitor thread and a monitor process per rank,
-heartbeats through a TCP store hosted by rank 0). When a rank raises, stops making progress for ``soft_timeout``
-seconds, or dies, every healthy rank aborts its process groups and calls the wrapped function again: no new
-processes, no new interpreter, no re-import. Each call here is one *restart iteration*: the training function
-builds the process group (on a fresh store prefix), the model-parallel groups, the re-run state machine and the
-checkpoint workers from scratch and resumes from the newest verified checkpoint; on the way out, and once more in
-the wrapper's ``finalize`` step, everything it built is torn down.
+heartbeats through a TCP store hosted by rank 0 on ``MASTER_PORT + 2``). When a rank raises, stops making progress
+for ``soft_timeout`` seconds, or dies, every healthy rank aborts its process groups and its asynchronous checkpoint
+saves, and calls the wrapped function again: no new processes, no new interpreter, no re-import. Each call is one
+*restart iteration*: the training function (``pretrain._pretrain``, which receives the wrapper's ``CallWrapper`` as
+``inprocess_call_wrapper``) builds the process group on the coordination store (``MASTER_PORT + 1``, under a fresh
+prefix), the model-parallel groups, the re-run state machine and the checkpoint workers from scratch and resumes
+from the newest verified checkpoint; on the way out, and once more in the wrapper's finalize step, everything it
+built is torn down and the run's ``GlobalState`` forgets its handles.
 
 Mapping of :class:`InProcessRestartConfig` onto the wrapper (every field reaches it):
 
 - ``active_world_size`` and ``granularity``: the rank-assignment tree (a root layer of ``active_world_size`` active
   ranks, the rest warm reserves; with ``"node"`` a second layer per host, so a fault retires the whole node);
-- ``max_iterations``: a retry controller that allows that many restarts, then aborts the wrapper (the processes
-  exit with :attr:`ExitCode.INPROCESS_RESTART_EXHAUSTED`, and an outer ``ft_launcher`` takes over when nested);
+- ``max_iterations``: the retry controller allows that many restarts, then aborts the wrapper (the processes exit
+  with :attr:`ExitCode.INPROCESS_RESTART_EXHAUSTED`, and an outer ``ft_launcher`` takes over when nested);
 - ``soft_timeout``/``hard_timeout``/``heartbeat_*``/``barrier_timeout``/``completion_timeout``: the wrapper's
   timeouts of the same names;
 - ``empty_cuda_cache``: the finalize step empties the CUDA cache (where CUDA is initialized);
 - ``max_rank_faults``: a fault-counting health check that retires a rank past that many faults;
-- ``monitor_process_logdir``: one monitor-process log per rank in that directory.
+- ``monitor_process_logdir``: monitor-process logs in that directory: under Slurm one, of the job's rank 0
+  (``monitor_<job>_<host>_<rank>_<local rank>.log``); otherwise one per rank (``monitor_process_<rank>.log``).
 
-Health checks, before every iteration and after every fault: the fault counter, and the CUDA context check where
-CUDA is available. nvidia-resiliency-ext >= 0.5 adds its own GPU (NVML), NVLink and NIC checks of GPU ``LOCAL_RANK``
-to those after a fault. On a node without a GPU they fail (no NVML) and would end the wrapper at the first restart,
-so there they are left out, decided when the wrapper is built; each rank names what it left out, and why, in one
-log line. On a node with a GPU they all run.
+Health checks, before every iteration and after every fault: the fault counter and the CUDA context check (which
+does nothing where CUDA is not initialized). nvidia-resiliency-ext >= 0.5 adds its own GPU (NVML), NVLink and NIC
+checks of GPU ``LOCAL_RANK`` to those after a fault. On a node without a GPU they fail (no NVML) and would end the
+wrapper at the first restart, so there they are left out, decided when the wrapper is built; each rank names what
+it left out, and why, in one log line. On a node with a GPU they all run. Likewise the finalize steps run in a
+thread bound to the rank's GPU (``ThreadedFinalize``) where CUDA is initialized, and in the calling thread elsewhere.
 
 The progress watchdog is fed from the train loop (:meth:`RestartIteration.ping` after every step and save, and by
 ``pretrain`` after each setup phase): a rank that stops completing them, whether it holds the GIL or waits with it
@@ -38,6 +42,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -46,10 +51,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import event_stream
+from megatron.bridge.training.checkpoint import async_writer
 from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, InProcessRestartConfig
 from megatron.bridge.training.device_health import visible_gpu
 from megatron.bridge.training.event_stream import EventKind, RestartLayer
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.resiliency_config import INPROCESS_COORDINATION_PORT_OFFSET
 from megatron.bridge.utils.optional_imports import require
 
 logger = logging.getLogger(__name__)
@@ -60,7 +67,18 @@ WRAPPER_RESTART_HEALTH_CHECK = "nvidia_resiliency_ext.inprocess.wrap:Wrapper.res
 """The checks a wrapper (nvidia-resiliency-ext >= 0.5) runs after a fault (listed in ``utils/upstream.py``)."""
 GPU_RESTART_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
 """The checks of ``inprocess.health_check`` that such a wrapper adds for device ``LOCAL_RANK``: they need a GPU."""
+QUIET_CPP_LOG_LEVELS = ("error", "fatal")
+"""``TORCH_CPP_LOG_LEVEL`` values that keep c10d's store-wait timeout warnings (one per poll while a peer restarts)
+out of the logs; any other value is warned about when the wrapper is built."""
+CPP_LOG_LEVEL_WARNING = "Set TORCH_CPP_LOG_LEVEL=error to suppress c10d waitForInput timeout warning messages"
+"""The warning ``inprocess_restart`` gives when ``TORCH_CPP_LOG_LEVEL`` is not one of :data:`QUIET_CPP_LOG_LEVELS`."""
+COORDINATION_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+"""How long rank 0 waits for every rank to join the coordination store, and the store's default wait timeout."""
+FINALIZE_TIMEOUT = datetime.timedelta(seconds=60)
+"""Bound of each finalize step run in its GPU-bound thread; past it the wrapper treats the rank as failed."""
 _said_left_out = False
+_running: dict[str, "RestartIteration"] = {}
+"""The restart iteration now running in this process (the wrapper runs one at a time), for its finalize step."""
 
 
 @dataclass
@@ -72,9 +90,9 @@ class RestartIteration:
     ping: Callable[[], None] = lambda: None
     """Tell the progress watchdog this rank made progress (a completed step or save)."""
     store: Optional[dist.Store] = None
-    """The launcher's rendezvous store, shared by every iteration of this call."""
-    store_prefix: str = ""
-    """Key prefix of this call (a process may call the wrapped function more than once)."""
+    """The coordination store (``MASTER_PORT + 1``), shared by every iteration of this call."""
+    store_prefix: str = "mbridge_pg"
+    """Key prefix of this call's process groups on :attr:`store`."""
     store_timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     """Timeout of store waits while the process group is built."""
     cleanups: list[Callable[[], None]] = field(default_factory=list)
@@ -82,7 +100,7 @@ class RestartIteration:
     in case the restart interrupted the function's own ``finally``."""
 
     def process_group_store(self) -> dist.Store:
-        """A store for this iteration's default process group: the launcher's store under a fresh prefix.
+        """A store for this iteration's default process group: the coordination store under a fresh prefix.
 
         A restarted iteration must not meet keys the aborted one left behind, so every iteration has its own prefix.
         (The wrapper's own store works too, but creating the model-parallel groups on it took ~10 s, not ~0.1 s.)
@@ -100,102 +118,124 @@ class RestartIteration:
                 logger.warning("in-process restart: teardown %s failed: %s", getattr(fn, "__name__", fn), err)
 
 
-def wrap(
-    fn: Callable[..., Any], cfg: InProcessRestartConfig, abort_process_groups: Callable[[], None]
-) -> Callable[..., Any]:
-    """``fn`` wrapped for in-process restart; ``fn`` receives ``restart=RestartIteration(...)`` on every call.
+def begin_iteration(call_wrapper: Any, store: Optional[dist.Store], cfg: InProcessRestartConfig) -> RestartIteration:
+    """The :class:`RestartIteration` of the call the wrapper makes now, registered for its finalize step.
 
-    ``abort_process_groups()`` must abort every process group of this rank, closing its connections (the wrapper
-    calls it from its monitor thread when any rank fails, to free ranks blocked in collectives).
-
-    The returned function raises :class:`TrainingExit` with :attr:`ExitCode.INPROCESS_RESTART_EXHAUSTED` when the
-    wrapper gives up (``max_iterations`` used up, too few healthy ranks, or a rank past ``max_rank_faults``); a warm
-    reserve that never trained returns :attr:`ExitCode.FINISHED` when the others finish.
+    ``call_wrapper`` is nvidia-resiliency-ext's ``CallWrapper`` the wrapper passed in; the iteration is logged and,
+    for a restart, its end recorded in the event stream.
     """
-    inprocess = require("nvidia_resiliency_ext.inprocess")
-    current: dict[str, RestartIteration] = {}
-    calls = [0]
-
-    def run(*args: Any, call_wrapper: Optional[inprocess.CallWrapper] = None, store: Any = None, **kwargs: Any) -> Any:
-        restart = RestartIteration(
-            iteration=call_wrapper.iteration,
-            ping=call_wrapper.ping,
-            store=store,
-            store_prefix=f"mbridge_pg_call{calls[0]}",
-            store_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
-        )
-        current["iteration"] = restart
-        if restart.iteration > 0:
-            event_stream.emit(
-                EventKind.RESTART_ENDED, layer=RestartLayer.IN_PROCESS, inprocess_iteration=restart.iteration
-            )
-        logger.log(
-            logging.WARNING if restart.iteration > 0 else logging.INFO,
-            "in-process restart: iteration %d starts in pid %d as rank %s of %s",
-            restart.iteration,
-            os.getpid(),
-            os.environ.get("RANK"),
-            os.environ.get("WORLD_SIZE"),
-        )
-        return fn(*args, restart=restart, **kwargs)
-
-    def finalize() -> None:
-        restart = current.pop("iteration", None)  # let the aborted iteration's objects go before the next one
-        if restart is not None:
-            restart.run_cleanups()
-
-    wrapped = build_wrapper(cfg, finalize, abort_process_groups)(run)
-
-    def guarded(*args: Any, store: Optional[dist.Store] = None, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if store is None:
-            # The store env:// would use, created once per call with the ranks the launcher gave (reserves
-            # included), before the wrapper renumbers ranks: a rank renumbered 0 later must not host a second one.
-            store, _, _ = next(dist.rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
-        # What exists now (imports, config) lives as long as the process: moved out of the collector's sight, the
-        # full collections the wrapper runs between iterations walk only what training built (on a 2-core machine
-        # the abort-to-next-iteration time fell from 0.86 s to 0.1 s with this and no second collection of ours).
-        gc.freeze()
-        try:
-            result = wrapped(*args, store=store, **kwargs)
-        except inprocess.exception.RestartAbort as err:
-            raise TrainingExit(ExitCode.INPROCESS_RESTART_EXHAUSTED, _gave_up(cfg, err)) from err
-        except inprocess.exception.RestartError as err:
-            raise TrainingExit(ExitCode.INPROCESS_RESTART_EXHAUSTED, _gave_up(cfg, err)) from err
-        finally:
-            current.clear()
-        return ExitCode.FINISHED if result is None else result  # None: a reserve rank, never activated
-
-    return guarded
+    restart = RestartIteration(
+        iteration=call_wrapper.iteration,
+        ping=call_wrapper.ping,
+        store=store,
+        store_timeout=_seconds(cfg.soft_timeout),
+    )
+    _running["iteration"] = restart
+    if restart.iteration > 0:
+        event_stream.emit(EventKind.RESTART_ENDED, layer=RestartLayer.IN_PROCESS, inprocess_iteration=restart.iteration)
+    logger.log(
+        logging.WARNING if restart.iteration > 0 else logging.INFO,
+        "in-process restart: iteration %d starts in pid %d as rank %s of %s",
+        restart.iteration,
+        os.getpid(),
+        os.environ.get("RANK"),
+        os.environ.get("WORLD_SIZE"),
+    )
+    return restart
 
 
 def inprocess_restart(train_fn: Callable[..., Any], config: InProcessRestartConfig, global_state: Any) -> Callable:
-    """``train_fn`` wrapped for in-process restart; every restart iteration starts from a reset ``global_state``.
+    """``train_fn`` wrapped in nvidia-resiliency-ext's ``inprocess.Wrapper`` configured from ``config``.
 
-    ``train_fn(*args, restart=RestartIteration(...), **kwargs)`` must build every piece of distributed state itself
-    and tear it down on the way out (see :func:`wrap`).
+    Every call of the result calls ``train_fn(*args, inprocess_call_wrapper=<CallWrapper>, **kwargs)`` once per
+    restart iteration; ``train_fn`` builds every piece of distributed state itself (on the ``store=`` it is given,
+    see :func:`begin_iteration`) and tears it down on the way out. Between iterations the wrapper's finalize step
+    runs the aborted iteration's teardown again and resets ``global_state`` (:meth:`GlobalState.reset_for_restart`).
+    Call the result through :func:`run_wrapped`, which turns the wrapper giving up into a :class:`TrainingExit`.
     """
+    if os.environ.get("TORCH_CPP_LOG_LEVEL") not in QUIET_CPP_LOG_LEVELS:
+        warnings.warn(CPP_LOG_LEVEL_WARNING)  # noqa: B028 - Megatron-Bridge's call, as its users' filters expect
+    inprocess = require("nvidia_resiliency_ext.inprocess")
     from megatron.bridge.training.initialize import abort_distributed
 
-    def fresh_start(*args: Any, restart: RestartIteration, **kwargs: Any) -> Any:
-        if restart.iteration > 0:
-            global_state.reset_for_restart()  # every handle of the aborted iteration is rebuilt
-        return train_fn(*args, restart=restart, **kwargs)
+    def finish_iteration() -> None:
+        restart = _running.pop("iteration", None)  # let the aborted iteration's objects go before the next one
+        if restart is not None:
+            restart.run_cleanups()
+        global_state.reset_for_restart()  # every handle of the aborted iteration is rebuilt
 
-    return wrap(fresh_start, config, abort_process_groups=abort_distributed)
+    def _adapter(*args: Any, inprocess_call_wrapper: Optional[inprocess.CallWrapper] = None, **kwargs: Any) -> Any:
+        # The wrapper hands its CallWrapper to the parameter annotated with it; train_fn takes it by this name.
+        return train_fn(*args, inprocess_call_wrapper=inprocess_call_wrapper, **kwargs)
+
+    wrapper = build_wrapper(config, finish_iteration, abort_distributed, global_state)
+    return wrapper(_adapter)
 
 
 def maybe_wrap_for_inprocess_restart(
     train_fn: Callable[..., Any], config: Optional[InProcessRestartConfig], state: Any
 ) -> tuple[Callable[..., Any], Optional[dist.Store]]:
-    """``(train_fn, None)``, or with ``config.enabled`` the wrapped function and the store to call it with.
+    """``(train_fn, None)``, or with ``config.enabled`` the wrapped function and the coordination store to pass it.
 
-    The store is ``None`` here either way: each call of the wrapped function makes its own from the launcher's
-    ``MASTER_ADDR``/``MASTER_PORT`` (``env://``); a store passed as ``store=`` is used instead.
+    The store is a ``torch.distributed.TCPStore`` that rank 0 (``RANK``) hosts on ``MASTER_PORT + 1`` for all
+    ``WORLD_SIZE`` ranks, reserves included, made before the wrapper renumbers the ranks (a rank renumbered 0 later
+    must not host a second one); every restart iteration builds its process groups on it under its own prefix.
     """
     if config is None or not config.enabled:
         return train_fn, None
-    return inprocess_restart(train_fn, config, state), None
+    store = torch.distributed.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]) + INPROCESS_COORDINATION_PORT_OFFSET,
+        world_size=int(os.getenv("WORLD_SIZE", "1")),
+        is_master=int(os.getenv("RANK", "0")) == 0,
+        timeout=COORDINATION_STORE_TIMEOUT,
+        wait_for_workers=True,
+        use_libuv=True,
+    )
+    return inprocess_restart(train_fn, config, state), store
+
+
+def run_wrapped(wrapped: Callable[..., Any], config: InProcessRestartConfig, *args: Any, **kwargs: Any) -> Any:
+    """Call a function :func:`maybe_wrap_for_inprocess_restart` wrapped (``config`` is its section).
+
+    Returns its result, or ``ExitCode.FINISHED`` on a warm reserve that never trained.
+
+    Raises:
+        TrainingExit: :attr:`ExitCode.INPROCESS_RESTART_EXHAUSTED` when the wrapper gives up (``max_iterations``
+            used up, too few healthy ranks, or a rank past ``max_rank_faults``).
+    """
+    inprocess = require("nvidia_resiliency_ext.inprocess")
+    # What exists now (imports, config) lives as long as the process: moved out of the collector's sight, the full
+    # collections the wrapper runs between iterations walk only what training built (on a 2-core machine the
+    # abort-to-next-iteration time fell from 0.86 s to 0.1 s with this and no second collection of ours).
+    gc.freeze()
+    try:
+        result = wrapped(*args, **kwargs)
+    except (inprocess.exception.RestartAbort, inprocess.exception.RestartError) as err:
+        raise TrainingExit(ExitCode.INPROCESS_RESTART_EXHAUSTED, _gave_up(config, err)) from err
+    finally:
+        _running.clear()
+    return ExitCode.FINISHED if result is None else result  # None: a reserve rank, never activated
+
+
+def abort_async_saves(global_state: Any) -> None:
+    """Stop this rank's asynchronous checkpoint saves without finalizing them, and reset the writers' results queues.
+
+    The run's async call queue (``global_state.async_calls_queue``) is closed with ``abort=True`` and forgotten; both
+    results queues the forked writers report through (megatron-core's and nvidia-resiliency-ext's, which the local
+    tier and megatron-core >= 0.17 write through) are reset, so that the next iteration's saves never read a result
+    an aborted writer left behind: the next checkpoint manager installs fresh ones.
+    """
+    queue = getattr(global_state, "async_calls_queue", None)
+    try:
+        if queue is not None:
+            queue.close(abort=True)
+    except Exception as err:  # noqa: BLE001 - a half-closed queue must not stop the restart
+        logger.warning("in-process restart: closing the async checkpoint queue failed: %s", err)
+    finally:
+        if global_state is not None:
+            global_state.async_calls_queue = None
+        async_writer.reset_results_queues()
 
 
 def _gave_up(cfg: InProcessRestartConfig, err: BaseException) -> str:
@@ -208,11 +248,18 @@ def _gave_up(cfg: InProcessRestartConfig, err: BaseException) -> str:
 
 
 def build_wrapper(
-    cfg: InProcessRestartConfig, teardown: Callable[[], None], abort_process_groups: Callable[[], None]
+    cfg: InProcessRestartConfig,
+    teardown: Callable[[], None],
+    abort_process_groups: Callable[[], None],
+    global_state: Any = None,
 ) -> Any:
-    """The ``inprocess.Wrapper`` for ``cfg``; its finalize step calls ``teardown()`` (the aborted iteration's)."""
+    """The ``inprocess.Wrapper`` for ``cfg``; its finalize step calls ``teardown()`` (the aborted iteration's).
+
+    ``abort_process_groups()`` must abort every process group of this rank, closing its connections (the wrapper
+    calls it from its monitor thread when any rank fails, to free ranks blocked in collectives); the abort step then
+    aborts the asynchronous saves of ``global_state`` (:func:`abort_async_saves`).
+    """
     inprocess = require("nvidia_resiliency_ext.inprocess")
-    seconds = datetime.timedelta
 
     class AbortProcessGroups(inprocess.abort.Abort):
         """Abort: abort every process group (closing its connections) so that every blocked collective fails."""
@@ -222,16 +269,26 @@ def build_wrapper(
             abort_process_groups()
             return state
 
-    class Teardown(inprocess.finalize.Finalize):
-        """Finalize: tear down what the aborted iteration built, free memory, before the health check."""
+    class AbortCheckpoint(inprocess.abort.Abort):
+        """Abort: stop the asynchronous checkpoint saves and reset the writers' results queues."""
 
         def __call__(self, state: Any) -> Any:
-            teardown()
-            if cfg.empty_cuda_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
-                gc.collect()  # the aborted iteration's tensors, so that their cached blocks can be released
-                torch.cuda.empty_cache()
-            # Otherwise the wrapper's own collection before the next iteration frees them (a second one here cost
-            # 0.35 s of every restart on a 2-core machine).
+            abort_async_saves(global_state)
+            return state
+
+    class WhereCudaRuns(inprocess.finalize.Finalize):
+        """Finalize: ``ThreadedFinalize`` (a thread bound to the rank's GPU) where CUDA is initialized.
+
+        Elsewhere its function runs in the calling thread (``ThreadedFinalize`` refuses to run without CUDA).
+        """
+
+        def __init__(self, threaded: Any) -> None:
+            self.threaded = threaded
+
+        def __call__(self, state: Any) -> Any:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                return self.threaded(state)
+            self.threaded.fn(*self.threaded.args, **self.threaded.kwargs)
             return state
 
     class PromptTCPStore(inprocess.store.TCPStore):
@@ -247,24 +304,25 @@ def build_wrapper(
                 _wait_until_listening(host, int(kwargs["port"]), kwargs["timeout"].total_seconds())
             super().__init__(**kwargs)
 
-    health_checks = [inprocess.health_check.FaultCounter(max_rank_faults=cfg.max_rank_faults)]
-    left_out = []
-    if torch.cuda.is_available():  # needs a GPU: on a CPU machine there is no device to synchronize with
-        health_checks.append(inprocess.health_check.CudaHealthCheck(timeout=seconds(seconds=10)))
-    else:
-        left_out.append("CudaHealthCheck")
+    def finalize_step(fn: Callable[[], None]) -> Any:
+        return WhereCudaRuns(inprocess.finalize.ThreadedFinalize(timeout=FINALIZE_TIMEOUT, fn=fn))
+
+    finalize = [finalize_step(teardown)]
+    if cfg.empty_cuda_cache:
+        finalize.append(finalize_step(_empty_cuda_cache))
+    # The CUDA context check synchronizes with the GPU where CUDA is initialized, and does nothing elsewhere.
+    health_checks = [
+        inprocess.health_check.FaultCounter(max_rank_faults=cfg.max_rank_faults),
+        inprocess.health_check.CudaHealthCheck(timeout=_seconds(10)),
+    ]
     initial_world_size = int(os.environ.get("WORLD_SIZE", "1"))
     active = cfg.active_world_size or initial_world_size
-    log_file = None
-    if cfg.monitor_process_logdir is not None:
-        os.makedirs(cfg.monitor_process_logdir, exist_ok=True)
-        log_file = os.path.join(os.path.abspath(cfg.monitor_process_logdir), "monitor_process_{rank}.log")
     master_port = int(os.environ["MASTER_PORT"])
     wrapper = inprocess.Wrapper(
         store_factory=PromptTCPStore,
         store_kwargs={
             "port": master_port + INPROCESS_STORE_PORT_OFFSET,
-            "timeout": seconds(seconds=cfg.barrier_timeout),
+            "timeout": _seconds(cfg.barrier_timeout),
         },
         initialize=inprocess.Compose(
             inprocess.initialize.RetryController(
@@ -275,32 +333,68 @@ def build_wrapper(
             inprocess.nested_restarter.NestedRestarterHandlingCompleted(),
         ),
         abort=inprocess.Compose(
+            inprocess.abort.AbortTransformerEngine(),  # its userbuffers (does nothing without TransformerEngine)
             AbortProcessGroups(),
+            AbortCheckpoint(),
             inprocess.nested_restarter.NestedRestarterHandlingStarting(),
         ),
-        finalize=Teardown(),
+        finalize=inprocess.Compose(*finalize),
         health_check=inprocess.Compose(*health_checks),
         completion=inprocess.nested_restarter.NestedRestarterFinalized(),
         terminate=inprocess.nested_restarter.NestedRestarterAborted(),
         rank_assignment=inprocess.rank_assignment.Tree(layers=_layers(inprocess, cfg, active)),
-        monitor_thread_interval=seconds(seconds=cfg.monitor_thread_interval),
-        monitor_process_interval=seconds(seconds=cfg.monitor_process_interval),
-        progress_watchdog_interval=seconds(seconds=cfg.progress_watchdog_interval),
-        last_call_wait=seconds(seconds=cfg.last_call_wait),
-        termination_grace_time=seconds(seconds=cfg.termination_grace_time),
-        soft_timeout=seconds(seconds=cfg.soft_timeout),
-        hard_timeout=seconds(seconds=cfg.hard_timeout),
-        heartbeat_interval=seconds(seconds=cfg.heartbeat_interval),
-        heartbeat_timeout=seconds(seconds=cfg.heartbeat_timeout),
-        barrier_timeout=seconds(seconds=cfg.barrier_timeout),
-        completion_timeout=seconds(seconds=cfg.completion_timeout),
-        monitor_process_logfile=log_file,
+        monitor_thread_interval=_seconds(cfg.monitor_thread_interval),
+        monitor_process_interval=_seconds(cfg.monitor_process_interval),
+        progress_watchdog_interval=_seconds(cfg.progress_watchdog_interval),
+        last_call_wait=_seconds(cfg.last_call_wait),
+        termination_grace_time=_seconds(cfg.termination_grace_time),
+        soft_timeout=_seconds(cfg.soft_timeout),
+        hard_timeout=_seconds(cfg.hard_timeout),
+        heartbeat_interval=_seconds(cfg.heartbeat_interval),
+        heartbeat_timeout=_seconds(cfg.heartbeat_timeout),
+        barrier_timeout=_seconds(cfg.barrier_timeout),
+        completion_timeout=_seconds(cfg.completion_timeout),
+        monitor_process_logfile=monitor_process_logfile(cfg.monitor_process_logdir),
+        enabled=True,
     )
-    gpu = visible_gpu()
-    if not gpu:
-        left_out += _leave_out_gpu_restart_checks(inprocess, wrapper)
-    _say_left_out(left_out, gpu)
+    if not visible_gpu():
+        _say_left_out(_leave_out_gpu_restart_checks(inprocess, wrapper))
     return wrapper
+
+
+def monitor_process_logfile(logdir: Optional[str]) -> Optional[str]:
+    """The monitor-process log file of this rank in ``logdir`` (created), or ``None`` (no log).
+
+    Under Slurm (``SLURM_PROCID`` set) only the job's rank 0 logs, to ``monitor_<job>_<host>_<rank>_<local rank>.log``
+    (one file per job, whatever its size). Elsewhere every rank logs, to ``monitor_process_<rank>.log`` (the wrapper
+    fills in the rank).
+    """
+    if logdir is None:
+        return None
+    slurm_rank = os.environ.get("SLURM_PROCID")
+    if slurm_rank is not None and int(slurm_rank) != 0:
+        return None
+    os.makedirs(logdir, exist_ok=True)
+    if slurm_rank is None:
+        name = "monitor_process_{rank}.log"
+    else:
+        job, local = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_LOCALID")
+        name = f"monitor_{job}_{socket.gethostname()}_{slurm_rank}_{local}.log"
+    return os.path.join(os.path.abspath(logdir), name)
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    """A duration of ``value`` seconds (any real number: an int from an override, a float from the config)."""
+    return datetime.timedelta(seconds=float(value))
+
+
+def _empty_cuda_cache() -> None:
+    """Free the aborted iteration's cached CUDA blocks (where CUDA is initialized)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()  # the aborted iteration's tensors, so that their cached blocks can be released
+        torch.cuda.empty_cache()
+    # Otherwise the wrapper's own collection before the next iteration frees them (a second one here cost 0.35 s of
+    # every restart on a 2-core machine).
 
 
 def _leave_out_gpu_restart_checks(inprocess: Any, wrapper: Any) -> list[str]:
@@ -326,19 +420,17 @@ def _leave_out_gpu_restart_checks(inprocess: Any, wrapper: Any) -> list[str]:
     return dropped
 
 
-def _say_left_out(left_out: list[str], gpu: str) -> None:
+def _say_left_out(left_out: list[str]) -> None:
     """Log, once per process, which health checks were left out for want of a GPU, and why."""
     global _said_left_out
     if not left_out or _said_left_out:
         return
     _said_left_out = True
-    why = f"CUDA is not available ({gpu})" if gpu else "this node has no GPU (CUDA counts none, no /dev/nvidia<N>)"
-    built = any(name in GPU_RESTART_CHECKS for name in left_out)
     logger.info(
-        "in-process restart: left out the health checks that need a GPU (%s): %s%s",
+        "in-process restart: left out the health checks that need a GPU (%s): this node has no GPU (CUDA counts "
+        "none, no /dev/nvidia<N>); nvidia-resiliency-ext's NVML and NIC errors logged while it built them are "
+        "expected here",
         ", ".join(left_out),
-        why,
-        "; nvidia-resiliency-ext's NVML and NIC errors logged while it built them are expected here" if built else "",
     )
 
 
@@ -363,7 +455,8 @@ def _layers(inprocess: Any, cfg: InProcessRestartConfig, active: int) -> list[An
     ra = inprocess.rank_assignment
     layers = [ra.Layer(min_ranks=active, max_ranks=active, flag=ra.LayerFlag.RESERVE)]
     if cfg.granularity == "node":
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # Ranks per host: the launcher's count, else one per GPU.
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or torch.cuda.device_count() or 1)
         layers.append(
             ra.Layer(
                 min_ranks=per_node,

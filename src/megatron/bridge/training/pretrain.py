@@ -45,7 +45,12 @@ from megatron.bridge.training.initialize import (
     set_seeds,
     setup_logging,
 )
-from megatron.bridge.training.inprocess_restart import RestartIteration, maybe_wrap_for_inprocess_restart
+from megatron.bridge.training.inprocess_restart import (
+    RestartIteration,
+    begin_iteration,
+    maybe_wrap_for_inprocess_restart,
+    run_wrapped,
+)
 from megatron.bridge.training.liveness import LivenessCallback, LivenessPing
 from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager, StragglerCallback
@@ -84,29 +89,49 @@ def pretrain(
 
     Raises:
         ValueError: the configuration is invalid (nothing was started).
+        RuntimeError: in-process restart is on, but the caller already initialized the default process group.
         TrainingExit: training could not start or had to stop early (e.g. no valid checkpoint, or in-process
             restart gave up).
     """
     config.validate()
-    setup_logging(config.logger.logging_level)
     state = GlobalState()
     state.cfg = config
     manager = normalize_callbacks(callbacks)
+    if is_enabled(config.inprocess_restart) and dist.is_initialized():
+        raise RuntimeError(
+            "In-process restart is incompatible with user-initialized process groups: it creates every process group "
+            "of each restart iteration itself and aborts them all after a fault, so a default group made before "
+            "pretrain() would be destroyed under its owner. Either:\n"
+            "1. Disable in-process restart (inprocess_restart.enabled=False) to keep managing your process group, or\n"
+            "2. Let the framework initialize the process group: do not call torch.distributed.init_process_group() "
+            "before pretrain()."
+        )
+    setup_logging(config.logger.logging_level)
     train_fn, store = maybe_wrap_for_inprocess_restart(_pretrain, config.inprocess_restart, state)
-    return train_fn(state, forward_step_func, manager, **({"store": store} if store is not None else {}))
+    if store is None:
+        return train_fn(state, forward_step_func, manager)
+    return run_wrapped(train_fn, config.inprocess_restart, state, forward_step_func, manager, store=store)
 
 
 def _pretrain(
     global_state: GlobalState,
     forward_step_func: Callable,
     callbacks: Optional[CallbackManager] = None,
-    restart: Optional[RestartIteration] = None,
+    store: Optional[dist.Store] = None,
+    inprocess_call_wrapper: Optional[Any] = None,
 ) -> ExitCode:
-    """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down."""
+    """One training run (one in-process restart iteration when wrapped): set up, resume, train, tear down.
+
+    Under in-process restart the wrapper passes its ``CallWrapper`` as ``inprocess_call_wrapper`` and ``store`` is
+    the coordination store every iteration builds its process groups on.
+    """
     cfg = global_state.cfg
     start_time = time.monotonic()  # a deadline's start (exit_duration_in_mins): a wall-clock step must not move it
     started_at = time.time()  # the same start as a timestamp: events and goodput compare it with other processes'
     setup_logging(cfg.logger.logging_level)  # the rank may change between in-process restart iterations
+    restart: Optional[RestartIteration] = None
+    if inprocess_call_wrapper is not None:
+        restart = begin_iteration(inprocess_call_wrapper, store, cfg.inprocess_restart)
     from megatron.bridge.data.builders import build_train_valid_test_data_iterators, started
 
     rank = int(os.environ.get("RANK", "0"))

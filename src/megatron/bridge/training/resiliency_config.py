@@ -218,7 +218,8 @@ class InProcessRestartConfig:
     max_rank_faults: Optional[int] = None
     """Faults a rank may cause before its health check fails and it is retired. ``None`` is unlimited."""
     monitor_process_logdir: Optional[str] = None
-    """Directory for one monitor-process log per rank (``monitor_process_<rank>.log``); ``None`` logs nowhere."""
+    """Directory for monitor-process logs: one per rank (``monitor_process_<rank>.log``); under Slurm only the job's
+    rank 0 logs (``monitor_<job>_<host>_<rank>_<local rank>.log``). ``None`` logs nowhere."""
 
 
 @named_fields

@@ -91,6 +91,28 @@ def install_results_queue() -> None:
         upstream.patch(key, results)
 
 
+def reset_results_queues() -> None:
+    """Forget the writers' results queues (megatron-core's and nvidia-resiliency-ext's), after an aborted run.
+
+    A writer of an aborted in-process restart iteration may still report into them; the next checkpoint manager
+    installs fresh ones (:func:`install_results_queue`), so that no save of the next iteration reads such a result.
+    A queue served by a ``multiprocessing`` manager (megatron-core's own, when not replaced) has the manager shut down.
+    """
+    stopped: set[int] = set()
+    for key in _RESULTS_QUEUES:
+        if upstream.owner(key) is None:
+            continue
+        results = upstream.get(key)
+        manager = getattr(results, "_manager", None) if results is not None else None
+        if manager is not None and id(manager) not in stopped:
+            stopped.add(id(manager))
+            try:
+                manager.shutdown()
+            except Exception as err:  # noqa: BLE001 - a manager gone with its process: forgetting it is enough
+                logger.warning("results queue manager shutdown failed: %s", err)
+        upstream.patch(key, None)
+
+
 def _remove_results_of_dead_processes(parent: str) -> None:
     for name in os.listdir(parent):
         pid = name[len(_RESULTS_DIR_PREFIX) :].split("-")[0]
