@@ -355,7 +355,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "nvidia_resiliency_ext.fault_tolerance.rank_monitor_client:RankMonitorClient._set_calculated_timeouts",
         "call",
-        "fault_tolerance.py: hang timeouts kept above inprocess_restart.hard_timeout (the outer layer)",
+        "fault_tolerance_client.py: hang timeouts kept above inprocess_restart.hard_timeout (the outer layer)",
     ),
     _torch_global(
         "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager", "torch.cuda.synchronize after a save"
