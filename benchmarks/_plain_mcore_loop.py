@@ -109,7 +109,9 @@ def main() -> None:
     from megatron.bridge.training.utils.overrides import apply_overrides
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    recipe = llama3_tiny_pretrain_config(data_paths=[args.data_prefix], train_iters=args.steps)
+    recipe = llama3_tiny_pretrain_config()
+    recipe.dataset.blend = ([args.data_prefix], None)
+    recipe.train.train_iters = args.steps
     cfg = apply_overrides(recipe, args.override)
     cfg.validate()  # finalizes the provider and the dataset config, derives the scheduler's lengths
     torch.manual_seed(cfg.rng.seed)

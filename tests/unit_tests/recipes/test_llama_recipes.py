@@ -1,56 +1,90 @@
-"""The Llama recipes validate as they come, take Megatron-Bridge's keywords, and run by name."""
+"""The Llama recipes: Megatron-Bridge's H100 names and short aliases, no arguments, valid as they come, run by name."""
 
 import pytest
 import torch
 
-from megatron.bridge.models.llama import Llama3ModelProvider8B, Llama3ModelProvider70B, LlamaTinyModelProvider
+from megatron.bridge.models.llama import (
+    Llama3ModelProvider8B,
+    Llama3ModelProvider70B,
+    Llama31ModelProvider70B,
+    Llama32ModelProvider3B,
+    LlamaTinyModelProvider,
+)
 from megatron.bridge.recipes import run
 from megatron.bridge.recipes.llama import (
+    h100,
     llama3_8b_pretrain_config,
     llama3_70b_pretrain_config,
     llama3_tiny_pretrain_config,
+    llama31_8b_pretrain_config,
+    llama31_70b_pretrain_config,
     llama32_1b_pretrain_config,
+    llama32_3b_pretrain_config,
 )
 from megatron.bridge.training.utils.overrides import apply_overrides
 
 
 @pytest.mark.parametrize(
     "recipe, world_size",
-    [(llama3_8b_pretrain_config, 8), (llama3_70b_pretrain_config, 64), (llama32_1b_pretrain_config, 8)],
+    [
+        (llama3_8b_pretrain_config, 8),
+        (llama3_70b_pretrain_config, 64),
+        (llama31_8b_pretrain_config, 8),
+        (llama31_70b_pretrain_config, 64),
+        (llama32_1b_pretrain_config, 8),
+        (llama32_3b_pretrain_config, 8),
+    ],
 )
-def test_published_recipes_validate_with_their_defaults(recipe, world_size, tmp_path):
-    cfg = recipe(dir=str(tmp_path))
+def test_published_recipes_take_no_argument_and_validate_with_their_defaults(recipe, world_size, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = recipe()
     cfg.validate(world_size=world_size)
-    assert cfg.checkpoint.save == str(tmp_path / "default" / "checkpoints")
+    assert cfg.checkpoint.save == str(tmp_path / "nemo_experiments" / "default" / "checkpoints")
     assert cfg.optimizer.use_distributed_optimizer and cfg.ddp.use_distributed_optimizer
     assert cfg.tokenizer.tokenizer_type == "NullTokenizer"  # nothing is downloaded: ids only, mock data
+    assert cfg.tokenizer.vocab_size == cfg.model.vocab_size == 128256
     assert cfg.dataset.blend is None
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (512, 1)
+    assert (cfg.model.cross_entropy_loss_fusion, cfg.model.cross_entropy_fusion_impl) == (True, "te")
     assert cfg.model.bf16 == torch.cuda.is_available()
 
 
-def test_recipes_carry_the_published_model_and_megatron_bridge_parallelism(tmp_path):
-    assert isinstance(llama3_8b_pretrain_config(dir=str(tmp_path)).model, Llama3ModelProvider8B)
-    big = llama3_70b_pretrain_config(dir=str(tmp_path))
-    assert isinstance(big.model, Llama3ModelProvider70B)
-    assert (big.model.tensor_model_parallel_size, big.model.pipeline_model_parallel_size) == (4, 4)
-    assert big.model.virtual_pipeline_model_parallel_size == 5
+def test_the_short_names_are_aliases_of_the_h100_recipes():
+    assert llama3_8b_pretrain_config is h100.llama3_8b_pretrain_2gpu_h100_bf16_config
+    assert llama3_70b_pretrain_config is h100.llama3_70b_pretrain_32gpu_h100_bf16_config
+    assert llama31_8b_pretrain_config is h100.llama31_8b_pretrain_2gpu_h100_bf16_config
+    assert llama31_70b_pretrain_config is h100.llama31_70b_pretrain_32gpu_h100_bf16_config
+    assert llama32_1b_pretrain_config is h100.llama32_1b_pretrain_1gpu_h100_bf16_config
+    assert llama32_3b_pretrain_config is h100.llama32_3b_pretrain_1gpu_h100_bf16_config
 
 
-def test_keywords_set_parallelism_and_data_and_unknown_ones_are_refused(tmp_path):
-    cfg = llama3_tiny_pretrain_config(
-        dir=str(tmp_path),
-        name="run",
-        pipeline_model_parallel_size=2,
-        data_paths=["0.7", "/data/a", "0.3", "/data/b"],
-        train_iters=5,
+def test_recipes_carry_our_provider_of_the_size_and_megatron_bridge_parallelism():
+    assert isinstance(llama3_8b_pretrain_config().model, Llama3ModelProvider8B)
+    assert isinstance(llama32_3b_pretrain_config().model, Llama32ModelProvider3B)
+    for recipe, provider in (
+        (llama3_70b_pretrain_config, Llama3ModelProvider70B),
+        (llama31_70b_pretrain_config, Llama31ModelProvider70B),
+    ):
+        big = recipe().model
+        assert isinstance(big, provider)
+        assert (big.tensor_model_parallel_size, big.pipeline_model_parallel_size) == (4, 4)
+        assert big.virtual_pipeline_model_parallel_size == 5 and big.sequence_parallel
+        assert big.context_parallel_size == 1  # Megatron-Bridge: 2; not supported here
+    assert llama31_70b_pretrain_config().model.seq_length == 131072
+
+
+def test_the_tiny_recipe_is_the_cpu_llama_and_changes_by_its_fields():
+    with pytest.raises(TypeError):
+        llama3_tiny_pretrain_config(train_iters=5)  # no arguments: set fields or give overrides
+    cfg = apply_overrides(
+        llama3_tiny_pretrain_config(),
+        ["model.pipeline_model_parallel_size=2", "dataset.blend=[['/data/a','/data/b'],[0.7,0.3]]"],
     )
     assert isinstance(cfg.model, LlamaTinyModelProvider)
     assert cfg.model.pipeline_model_parallel_size == 2
     assert cfg.dataset.blend == (["/data/a", "/data/b"], [0.7, 0.3])
-    assert cfg.train.train_iters == 5
     assert cfg.tokenizer.metadata_path == {"library": "byte-level"}
-    with pytest.raises(TypeError, match="unknown recipe argument.*'tensor_parallelism'"):
-        llama3_8b_pretrain_config(tensor_parallelism=2)
+    assert (cfg.train.train_iters, cfg.dataset.num_workers, cfg.dataset.split) == (40, 0, "90,8,2")
 
 
 def test_the_tiny_recipe_validates_on_two_ranks_with_each_layout(tmp_path):
@@ -60,13 +94,15 @@ def test_the_tiny_recipe_validates_on_two_ranks_with_each_layout(tmp_path):
         ["model.pipeline_model_parallel_size=2"],
         ["optimizer.use_distributed_optimizer=false", "ddp.use_distributed_optimizer=false"],
     ):
-        cfg = apply_overrides(llama3_tiny_pretrain_config(dir=str(tmp_path)), layout)
+        cfg = apply_overrides(llama3_tiny_pretrain_config(), [f"checkpoint.save={tmp_path}"] + layout)
         cfg.validate(world_size=2)
         assert cfg.model.vocab_size == 512
 
 
 def test_a_missing_dataset_prefix_is_named_before_anything_starts(tmp_path):
-    cfg = llama3_tiny_pretrain_config(dir=str(tmp_path), data_paths=[str(tmp_path / "corpus")])
+    cfg = llama3_tiny_pretrain_config()
+    cfg.checkpoint.save = cfg.checkpoint.load = str(tmp_path / "default" / "checkpoints")
+    cfg.dataset.blend = ([str(tmp_path / "corpus")], None)
     with pytest.raises(ValueError, match=r"^dataset\.blend.*corpus\.(bin|idx)") as err:
         cfg.validate(world_size=2)
     assert "Fix:" in str(err.value)
@@ -75,6 +111,7 @@ def test_a_missing_dataset_prefix_is_named_before_anything_starts(tmp_path):
 
 def test_recipes_are_found_by_name_and_a_misspelt_one_names_the_close_ones():
     assert run.find_recipe("llama3_8b_pretrain_config") is llama3_8b_pretrain_config
+    assert run.find_recipe("llama3_8b_pretrain_2gpu_h100_bf16_config") is llama3_8b_pretrain_config
     assert run.find_recipe("megatron.bridge.recipes.llama:llama32_1b_pretrain_config") is llama32_1b_pretrain_config
     with pytest.raises(ValueError, match="did you mean llama3_8b_pretrain_config"):
         run.find_recipe("llama3_8b_pretrain")

@@ -19,7 +19,11 @@ import sys
 from collections.abc import Callable
 from typing import Optional
 
-RECIPE_MODULES = ("megatron.bridge.recipes.llama", "megatron.bridge.recipes.tiny_gpt")
+RECIPE_MODULES = (
+    "megatron.bridge.recipes.llama",
+    "megatron.bridge.recipes.llama.h100",
+    "megatron.bridge.recipes.tiny_gpt",
+)
 """Where a bare recipe name is looked up, in order."""
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,86 @@
+"""The pretraining config every recipe starts from (Megatron-Bridge's ``_pretrain_common``), for a given model.
+
+Megatron-Bridge's common defaults: adam with cosine decay (3e-4 to 3e-5, 500 warmup iterations), batches of 32 x 4096
+tokens, mock data, a checkpoint and a validation every 500 iterations into ``./nemo_experiments/default``, the
+distributed optimizer with gradient reduction overlapped and in fp32. The tokenizer is the NullTokenizer with the
+model's vocabulary: nothing is downloaded, and ids from mock data always fit the embedding.
+
+Precision: bf16 where CUDA is available, fp32 on a CPU-only machine (megatron-core's mixed-precision optimizer
+needs CUDA tensors).
+"""
+
+import os
+
+import torch
+
+from megatron.bridge.models import GPTModelProvider
+from megatron.bridge.training.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    GPTDatasetConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    RNGConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
+
+
+def _pretrain_common(model: GPTModelProvider) -> ConfigContainer:
+    """A pretraining config for ``model`` with the common defaults above; recipes change what differs."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    on_gpu = torch.cuda.is_available()
+    model.bf16 = on_gpu
+    model.params_dtype = torch.bfloat16 if on_gpu else torch.float32
+    run_dir = os.path.join(os.getcwd(), "nemo_experiments", "default")
+    return ConfigContainer(
+        model=model,
+        train=TrainingConfig(train_iters=300_000, global_batch_size=32, micro_batch_size=2),
+        validation=ValidationConfig(eval_interval=500, eval_iters=32),
+        optimizer=OptimizerConfig(
+            optimizer="adam",
+            lr=3e-4,
+            min_lr=3e-5,
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_eps=1e-5,
+            clip_grad=1.0,
+            bf16=on_gpu,
+            params_dtype=model.params_dtype,
+            use_distributed_optimizer=True,
+        ),
+        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=500, lr_decay_iters=None),
+        ddp=DistributedDataParallelConfig(
+            check_for_nan_in_grad=True,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            average_in_collective=True,
+            use_distributed_optimizer=True,
+        ),
+        dataset=GPTDatasetConfig(
+            random_seed=1234,
+            seq_length=4096,
+            blend=None,  # mock data; a dotted override of dataset.blend gives real data
+            split="9999,8,2",
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            num_workers=8,
+        ),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir=os.path.join(run_dir, "tb_logs")),
+        checkpoint=CheckpointConfig(
+            save=os.path.join(run_dir, "checkpoints"),
+            load=os.path.join(run_dir, "checkpoints"),
+            save_interval=500,
+            ckpt_format="torch_dist",
+            fully_parallel_save=True,
+            async_save=False,
+        ),
+        rng=RNGConfig(seed=1234),
+    )
