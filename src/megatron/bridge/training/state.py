@@ -138,10 +138,9 @@ class GlobalState:
         self._nvrx_straggler_created = False
         self._energy_monitor: Optional[EnergyMonitor] = None
         self._energy_monitor_created = False
-        self.fault_tolerance: Any = None
-        """This run's ``fault_tolerance.FaultTolerance`` (set by ``fault_tolerance.setup``)."""
         self.rank_monitor_client: Any = None
-        """nvidia-resiliency-ext's ``RankMonitorClient`` while fault tolerance is on (set by ``fault_tolerance``)."""
+        """nvidia-resiliency-ext's ``RankMonitorClient`` while fault tolerance is connected (``fault_tolerance.setup``
+        sets it, ``shutdown``/``abort`` clear it); the module functions report through it."""
         self.start_time: float = time.time()
         """``time.time()`` when this state was made."""
         self.stop_request: Optional[tuple[Any, str]] = None
