@@ -1,5 +1,6 @@
 """Every ``ConfigContainer.validate()`` check, and the dotted override parser."""
 
+import os
 import re
 import signal
 import typing
@@ -91,7 +92,8 @@ INVALID = [
     (["optimizer.clip_grad=-1"], 1, "optimizer.clip_grad"),
     (["optimizer.weight_decay=-1"], 1, "optimizer.weight_decay"),
     (["scheduler.lr_decay_style=step"], 1, "scheduler.lr_decay_style"),
-    (["scheduler.lr_warmup_iters=100"], 1, "scheduler.lr_warmup_iters"),
+    (["scheduler.max_steps=0"], 1, "scheduler.max_steps"),
+    (["validation.eval_micro_batch_size=1"], 1, "validation.eval_micro_batch_size"),
     (["checkpoint.ckpt_format=zarr"], 1, "checkpoint.ckpt_format"),
     (["checkpoint.save=/tmp/x", "checkpoint.save_interval=0"], 1, "checkpoint.save_interval"),
     (["checkpoint.save_interval=5"], 1, "checkpoint.save_interval"),
@@ -107,8 +109,6 @@ INVALID = [
     (["validation.eval_interval=0"], 1, "validation.eval_interval"),
     (["validation.eval_iters=0", "validation.eval_interval=5"], 1, "validation.eval_iters"),
     (["optimizer.optimizer=lamb"], 1, "optimizer.optimizer"),
-    (["optimizer.use_distributed_optimizer=True"], 1, "optimizer.use_distributed_optimizer"),
-    (["ddp.use_distributed_optimizer=True"], 1, "optimizer.use_distributed_optimizer"),
     (["optimizer.bf16=True"], 1, "optimizer.bf16"),
     (["dist.distributed_timeout_minutes=0"], 1, "dist.distributed_timeout_minutes"),
     (["logger.log_interval=0"], 1, "logger.log_interval"),
@@ -515,3 +515,118 @@ def test_overrides_in_megatron_bridge_forms():
 def test_bad_overrides_name_the_field_and_the_fix(item, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         apply_overrides(base_config(), [item])
+
+
+def test_distributed_optimizer_flags_are_turned_on_in_both_with_a_warning():
+    for overrides in (["optimizer.use_distributed_optimizer=True"], ["ddp.use_distributed_optimizer=True"]):
+        cfg = apply_overrides(base_config(), overrides)
+        with pytest.warns(UserWarning, match="Distributed optimizer settings were not in sync"):
+            cfg.validate(world_size=1)
+        assert cfg.optimizer.use_distributed_optimizer and cfg.ddp.use_distributed_optimizer
+    cfg = apply_overrides(base_config(), ["ddp.overlap_param_gather=True", "ddp.use_distributed_optimizer=True"])
+    with pytest.warns(UserWarning, match="overlap_param_gather settings were not in sync"):
+        cfg.validate(world_size=1)
+    assert cfg.optimizer.overlap_param_gather and cfg.data_parallel_size == 1
+
+
+def test_deterministic_mode_needs_a_fixed_nccl_algorithm_and_turns_torch_deterministic(monkeypatch):
+    cfg = apply_overrides(base_config(), ["model.deterministic_mode=True", "model.cross_entropy_loss_fusion=False"])
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    with pytest.raises(ValueError, match="model.deterministic_mode: NCCL_ALGO must be one of"):
+        cfg.validate(world_size=1)
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", calls.append)
+    cfg.validate(world_size=1)
+    assert calls == [True]
+    cfg.model.cross_entropy_loss_fusion = True
+    with pytest.raises(AssertionError, match="model.cross_entropy_loss_fusion: Cross Entropy Fusion"):
+        cfg.validate(world_size=1)  # a ConfigError is also an AssertionError, as Megatron-Bridge's checks are
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["checkpoint.save_retain_interval=0"], "checkpoint.save_retain_interval: must be >= 1 or None"),
+        (["checkpoint.save_retain_interval=150"], "150 is not a multiple of save_interval 100"),
+    ],
+)
+def test_save_retain_interval_is_a_positive_multiple_of_the_save_interval(tmp_path, overrides, needle):
+    base = [f"checkpoint.save={tmp_path}", "checkpoint.save_interval=100", "checkpoint.most_recent_k=2"]
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        apply_overrides(base_config(), base + overrides).validate(world_size=1)
+    cfg = apply_overrides(base_config(), [*base, "checkpoint.save_retain_interval=1000"])
+    cfg.validate(world_size=1)
+    assert cfg.checkpoint.save_retain_interval == 1000
+
+
+def test_sections_finalize_alone_and_twice():
+    from megatron.bridge.training.config import CheckpointConfig, ProfilingConfig, SchedulerConfig, TrainingConfig
+
+    t = TrainingConfig(micro_batch_size=1, global_batch_size=4, train_samples=40)
+    t.finalize()
+    t.finalize()
+    assert t.train_iters == 10
+    with pytest.raises(ValueError, match="Cannot specify lr_warmup_fraction=0.1 with lr_warmup_iters=5"):
+        SchedulerConfig(lr_warmup_fraction=0.1, lr_warmup_iters=5).finalize()
+    with pytest.raises(ValueError, match="profile_step_end \\(1\\) must be >= profile_step_start \\(5\\)"):
+        ProfilingConfig(profile_step_start=5, profile_step_end=1).finalize()
+    with pytest.raises(ValueError, match="ckpt_step=3 specified but checkpoint.load is None"):
+        CheckpointConfig(ckpt_step=3).finalize()
+
+
+def test_lazy_init_is_megatron_bridges_other_name_of_lazy_mpu_init():
+    from megatron.bridge.training.config import DistributedInitConfig
+
+    dist_cfg = DistributedInitConfig(lazy_mpu_init=True)
+    assert dist_cfg.lazy_init
+    dist_cfg.lazy_init = False
+    assert not dist_cfg.lazy_mpu_init
+    cfg = apply_overrides(base_config(), ["dist.lazy_mpu_init=True"])
+    with pytest.raises(ValueError, match="dist.lazy_mpu_init: True is not supported here"):
+        cfg.validate(world_size=1)
+
+
+def test_runtime_config_update_sets_env_vars_the_process_lacks(monkeypatch):
+    from megatron.bridge.training.config import apply_environment_variables, runtime_config_update
+
+    cfg = base_config()
+    cfg.env_vars = {"MBRIDGE_TEST_A": 16, "MBRIDGE_TEST_B": "recipe"}
+    monkeypatch.delenv("MBRIDGE_TEST_A", raising=False)
+    monkeypatch.setenv("MBRIDGE_TEST_B", "launcher")
+    runtime_config_update(cfg)
+    assert (os.environ["MBRIDGE_TEST_A"], os.environ["MBRIDGE_TEST_B"]) == ("16", "launcher")
+    cfg.env_vars = {"MBRIDGE_TEST_C": ["not", "scalar"]}
+    with pytest.raises(TypeError, match="env_vars.MBRIDGE_TEST_C"):
+        apply_environment_variables(cfg)
+
+
+def test_a_dataset_provider_builds_the_splits_the_loader_reads(tmp_path):
+    import dataclasses
+
+    from megatron.bridge.data.builders import build_train_valid_test_data_iterators
+    from megatron.bridge.training.config import DatasetBuildContext, DatasetProvider
+
+    seen = []
+
+    @dataclasses.dataclass(kw_only=True)
+    class Provider(DatasetProvider):
+        length: int = 8
+
+        def build_datasets(self, context: DatasetBuildContext):
+            seen.append(context)
+
+            def sample(i: int) -> dict:
+                ids = torch.full((self.length,), i, dtype=torch.long)
+                return {"tokens": ids, "labels": ids, "loss_mask": torch.ones(self.length), "position_ids": ids}
+
+            return [sample(i) for i in range(context.train_samples)], None, None
+
+    cfg = base_config()
+    cfg.dataset = Provider(num_workers=0)
+    cfg.validate(world_size=1)  # a provider is checked for its loader fields only
+    train, valid, test = build_train_valid_test_data_iterators(
+        cfg.dataset, None, train_samples=4, valid_samples=0, test_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1
+    )
+    assert valid is None and test is None and seen[0].train_samples == 4
+    assert next(train)["tokens"][:, 0].tolist() == [0, 1]

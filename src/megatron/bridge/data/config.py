@@ -7,12 +7,14 @@
 dataset. :class:`MockGPTDatasetConfig` is the same without data files: deterministic synthetic token sequences.
 """
 
+import abc
 import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from megatron.bridge.utils.cpu_shims import before_megatron_core_import
+from megatron.bridge.utils.fields import fail
 
 before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fused ops are imported
 
@@ -84,6 +86,9 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
 
         megatron-core's GPT-specific post-init (which needs the built tokenizer) runs when the datasets are built.
         """
+        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            if getattr(self, name) is None:
+                fail(f"dataset.{name}", f"{name} is not set (megatron-core requires it)", "set it to False or True")
         BlendedMegatronDatasetConfig.__post_init__(self)
         if self.num_workers == 0:
             self.persistent_workers = False
@@ -101,4 +106,38 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
         super().finalize()
 
 
-__all__ = ["DataloaderConfig", "GPTDatasetConfig", "MockGPTDatasetConfig"]
+@dataclass(frozen=True)
+class DatasetBuildContext:
+    """What training set-up tells a :class:`DatasetProvider` when it asks for the datasets."""
+
+    train_samples: int
+    """Global training samples the run reads in total."""
+    valid_samples: int
+    """Global validation samples the run reads in total (0: no validation split is needed)."""
+    test_samples: int
+    """Global test samples (0: no test split is needed)."""
+    tokenizer: Any = None
+    """The built tokenizer."""
+
+
+@dataclass(kw_only=True)
+class DatasetProvider(DataloaderConfig, abc.ABC):
+    """A dataset config that builds its own datasets (Megatron-Bridge's custom-provider contract).
+
+    Subclass it and implement :meth:`build_datasets`; training set-up calls it once with the sample counts the run
+    needs and reads each returned map-style dataset with the same positioned loader as the built-in datasets (a
+    resumed run sees the same batches), so each sample must be a dict holding at least ``tokens``, ``labels``,
+    ``loss_mask`` and ``position_ids``.
+    """
+
+    @abc.abstractmethod
+    def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
+        """The train, validation and test datasets (``None`` for a split not provided)."""
+
+    def finalize(self) -> None:
+        """Check the loader fields (workers cannot persist without workers)."""
+        if self.num_workers == 0:
+            self.persistent_workers = False
+
+
+__all__ = ["DataloaderConfig", "DatasetBuildContext", "DatasetProvider", "GPTDatasetConfig", "MockGPTDatasetConfig"]

@@ -264,7 +264,9 @@ class CheckpointManager:
         def publish() -> None:
             manifest.write_manifest(tmp, iteration, entries)
             layout.commit(root, iteration, attempt, rank=0)
-            layout.apply_retention(root, self.cfg.most_recent_k, protect={iteration})
+            layout.apply_retention(
+                root, self.cfg.most_recent_k, protect={iteration}, retain_interval=self.cfg.save_retain_interval
+            )
 
         on_rank0(publish, "the checkpoint commit")
         self.last_saved_iteration = iteration

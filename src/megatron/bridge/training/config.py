@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+from megatron.bridge.training import section_checks
 from megatron.bridge.training.resiliency_config import (
     INPROCESS_STORE_PORT_OFFSET,
     FaultInjectionConfig,
@@ -31,13 +32,20 @@ from megatron.bridge.training.resiliency_config import (
     is_enabled,
 )
 from megatron.bridge.training.tokenizers.config import TokenizerConfig
+from megatron.bridge.utils.common_utils import get_rank_safe, get_world_size_safe
 from megatron.bridge.utils.fields import named_fields
 
 if TYPE_CHECKING:  # megatron-core classes: importing them here would import megatron-core with every config read
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron.bridge.data.config import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
+    from megatron.bridge.data.config import (
+        DataloaderConfig,
+        DatasetBuildContext,
+        DatasetProvider,
+        GPTDatasetConfig,
+        MockGPTDatasetConfig,
+    )
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
 __all__ = [
@@ -45,6 +53,8 @@ __all__ = [
     "CheckpointConfig",
     "ConfigContainer",
     "DataloaderConfig",
+    "DatasetBuildContext",
+    "DatasetProvider",
     "DistributedDataParallelConfig",
     "DistributedInitConfig",
     "FaultInjectionConfig",
@@ -65,13 +75,17 @@ __all__ = [
     "TrainConfig",
     "TrainingConfig",
     "ValidationConfig",
+    "apply_environment_variables",
     "is_enabled",
+    "runtime_config_update",
 ]
 
 _LAZY = {
     "OptimizerConfig": "megatron.core.optimizer",
     "DistributedDataParallelConfig": "megatron.core.distributed",
     "DataloaderConfig": "megatron.bridge.data.config",
+    "DatasetBuildContext": "megatron.bridge.data.config",
+    "DatasetProvider": "megatron.bridge.data.config",
     "GPTDatasetConfig": "megatron.bridge.data.config",
     "MockGPTDatasetConfig": "megatron.bridge.data.config",
 }
@@ -88,6 +102,12 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def warn_rank_0(message: str) -> None:
+    """``warnings.warn(message)`` on global rank 0 only (the config checks' warnings, once per job)."""
+    if get_rank_safe() == 0:
+        warnings.warn(message, stacklevel=2)
 
 
 def _default_ddp() -> "DistributedDataParallelConfig":
@@ -135,6 +155,12 @@ class TrainingConfig:
     """Total number of optimizer steps (this or ``train_samples``)."""
     train_samples: Optional[int] = None
     """Total number of samples; ``train_iters`` becomes ``train_samples // global_batch_size``."""
+    num_epochs: Optional[float] = None
+    """Passes over a finite training dataset (fractions allowed); ``None``: the run's length is ``train_iters`` or
+    ``train_samples``. Megatron-Bridge honours it only for its finite SFT datasets, which this framework does not
+    have, so ``validate()`` refuses it, as Megatron-Bridge does for every other dataset."""
+    _train_iters_from_num_epochs: bool = field(default=False, init=False, repr=False)
+    """Whether ``train_iters`` was computed from ``num_epochs`` (Megatron-Bridge's marker; always False here)."""
     exit_interval: Optional[int] = None
     """Save and exit when the iteration is a multiple of this (exit code 20)."""
     exit_duration_in_mins: Optional[float] = None
@@ -166,6 +192,10 @@ class TrainingConfig:
     derived: set[str] = field(default_factory=set, init=False, repr=False)
     """Fields ``validate()`` computed (``train_iters`` from ``train_samples``, ``global_batch_size``)."""
 
+    def finalize(self) -> None:
+        """Check that the run's length is given once; compute ``train_iters`` from ``train_samples``."""
+        section_checks.finalize_training(self)
+
 
 class TrainConfig(TrainingConfig):
     """Deprecated name of :class:`TrainingConfig` (Megatron-Bridge's); warns when used."""
@@ -186,6 +216,14 @@ class ValidationConfig:
     """Evaluate every this many training steps; ``None``: never during training."""
     skip_train: bool = False
     """Do not train: evaluate the loaded (or freshly initialized) model once and stop."""
+    eval_global_batch_size: Optional[int] = None
+    """Samples per evaluation step over all data-parallel ranks: ``None`` or ``train.global_batch_size`` (evaluation
+    runs with the training batch sizes here; another value is refused). ``validate()`` fills in ``None``."""
+    eval_micro_batch_size: Optional[int] = None
+    """Samples per evaluation micro-batch on one rank: ``None`` or ``train.micro_batch_size`` (evaluation runs with
+    the training batch sizes here; another value is refused). ``validate()`` fills in ``None``."""
+    derived: set[str] = field(default_factory=set, init=False, repr=False)
+    """Fields ``validate()`` filled in from the training section."""
 
 
 @named_fields
@@ -226,6 +264,11 @@ class SchedulerConfig:
     """Weight decay at the end; ``None``: the optimizer's ``weight_decay``."""
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
     """How the weight decay moves from start to end."""
+    max_steps: Optional[int] = None
+    """Length in iterations of the full run whose schedules a shorter run follows: with ``train.train_iters=x`` and
+    ``max_steps=y`` (``y >= x``) the run takes the first ``x`` steps of the ``y``-step run's learning-rate and
+    weight-decay schedules (``lr_decay_iters`` becomes ``y``). Iteration-based runs only; ``None``: the schedules
+    span ``train_iters``."""
     lr_warmup_steps: Optional[int] = field(default=None, init=False)
     """Warmup length in samples, computed by ``validate()``."""
     lr_decay_steps: Optional[int] = field(default=None, init=False)
@@ -234,6 +277,12 @@ class SchedulerConfig:
     """Weight-decay schedule length in samples, computed by ``validate()``."""
     wsd_decay_steps: Optional[int] = field(default=None, init=False)
     """Length of a ``WSD`` schedule's final anneal in samples, computed by ``validate()``."""
+    derived: set[str] = field(default_factory=set, init=False, repr=False)
+    """Fields ``validate()`` filled in from others (``lr_decay_iters``/``lr_decay_samples``, ``lr_wsd_decay_iters``)."""
+
+    def finalize(self) -> None:
+        """Check the schedule's own fields (units not mixed, one warmup, weight decay not decreasing)."""
+        section_checks.finalize_scheduler(self)
 
 
 @named_fields
@@ -247,6 +296,10 @@ class CheckpointConfig:
     """Save every this many iterations (and at the end of training)."""
     most_recent_k: int = -1
     """Keep only the newest k committed checkpoints; -1 keeps all."""
+    save_retain_interval: Optional[int] = None
+    """Also keep every checkpoint whose iteration is a multiple of this, beyond the ``most_recent_k`` newest (not
+    counted among them); ``None`` keeps no extra ones. A positive multiple of ``save_interval``: with
+    ``save_interval=100, most_recent_k=2, save_retain_interval=1000`` the two newest and every thousandth stay."""
     save_optim: bool = True
     """Save the optimizer state."""
     save_rng: bool = True
@@ -316,6 +369,10 @@ class CheckpointConfig:
     replication_factor: int = 2
     """Number of copies of each local-tier shard."""
 
+    def finalize(self) -> None:
+        """Check the section's own combinations (``ckpt_step`` needs ``load``, retention interval, ...)."""
+        section_checks.finalize_checkpoint(self)
+
 
 @named_fields
 @dataclass(kw_only=True)
@@ -357,6 +414,9 @@ class LoggerConfig:
     logging_level: int = logging.INFO
     """Level of the ``megatron.bridge`` loggers: ``logging.INFO`` (20), ``logging.DEBUG`` (10), ..."""
 
+    def finalize(self) -> None:
+        """Nothing to check alone (Megatron-Bridge's MLflow/Comet fields do not exist here)."""
+
 
 @named_fields
 @dataclass(kw_only=True)
@@ -377,8 +437,9 @@ class DistributedInitConfig:
     """With pipeline parallelism, each stage reduces its gradients on its own."""
     local_rank: int = field(default_factory=lambda: int(os.getenv("LOCAL_RANK", "0")))
     """This process's rank on its node (from the launcher's ``LOCAL_RANK``); picks the GPU."""
-    lazy_init: bool = False
-    """Defer model-parallel initialization to an external manager."""
+    lazy_mpu_init: bool = False
+    """Defer model-parallel initialization to an external manager (it also forces ``model.use_cpu_initialization``,
+    as in Megatron-Bridge)."""
     use_megatron_fsdp: bool = False
     """Shard parameters with Megatron FSDP."""
     use_torch_fsdp2: bool = False
@@ -399,6 +460,15 @@ class DistributedInitConfig:
     """A shorter collective timeout from the first iteration on."""
     disable_jit_fuser: bool = False
     """Turn megatron-core's jit fuser off (it is always off on CPU)."""
+
+    @property
+    def lazy_init(self) -> bool:
+        """Megatron-Bridge's other name of :attr:`lazy_mpu_init`."""
+        return self.lazy_mpu_init
+
+    @lazy_init.setter
+    def lazy_init(self, value: bool) -> None:
+        self.lazy_mpu_init = value
 
 
 @named_fields
@@ -425,11 +495,18 @@ class ProfilingConfig:
     nvtx_ranges: bool = False
     """Annotate NVTX ranges."""
 
+    def finalize(self) -> None:
+        """One profiler at a time, over a step range that exists."""
+        section_checks.finalize_profiling(self)
+
 
 @dataclass(kw_only=True)
 class ConfigContainer:
     """Everything that describes one pretraining run (keyword arguments only; Megatron-Bridge's sections)."""
 
+    env_vars: dict[str, Union[str, int, float, bool]] = field(default_factory=dict)
+    """Environment variables the recipe wants set (``runtime_config_update`` sets each one the process does not
+    already have: the launcher's and the job script's values win)."""
     rng: RNGConfig = field(default_factory=RNGConfig)
     """Seeds."""
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
@@ -464,8 +541,8 @@ class ConfigContainer:
     """The legacy straggler detector (rejected when enabled); ``None`` is off."""
     nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
     """Straggler detection; ``None`` is off."""
-    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-    """Profilers."""
+    profiling: Optional[ProfilingConfig] = field(default_factory=ProfilingConfig)
+    """Profilers; ``None`` is off."""
     peft: Optional[Any] = None
     """Parameter-efficient finetuning (not available here: must be ``None``)."""
     comm_overlap: Optional[Any] = None
@@ -480,19 +557,42 @@ class ConfigContainer:
     """Liveness ping, device health checks, hang attribution (this framework's)."""
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     """Faults injected for tests and drills (this framework's)."""
+    data_parallel_size: Optional[int] = field(default=None, init=False)
+    """Data-parallel replicas for the world size validated against (filled in by ``validate()``)."""
+
+    def get_data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel replicas among ``world_size`` ranks (what the model-parallel sizes leave)."""
+        from megatron.bridge.training.config_validation import check_world_divisible
+
+        return check_world_divisible(self.model, world_size)
+
+    def set_data_parallel_size(self) -> None:
+        """Fill :attr:`data_parallel_size` for this process's world size, without validating the rest."""
+        self.data_parallel_size = self.get_data_parallel_size(get_world_size_safe())
 
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check every field and every combination; raise ``ValueError`` naming the field and the fix.
 
-        As in Megatron-Bridge, it also finalizes the model and dataset configs and fills the fields derived from
-        others (``train.global_batch_size`` when ``None``, ``train.train_iters`` from ``train.train_samples``).
+        As in Megatron-Bridge, it runs every section's ``finalize()``, finalizes the model and dataset configs and
+        fills the fields derived from others (``train.global_batch_size`` when ``None``, ``train.train_iters`` from
+        ``train.train_samples``, the scheduler's lengths, the evaluation batch sizes, :attr:`data_parallel_size`).
+        Where Megatron-Bridge reconciles two fields (the distributed optimizer's flags), it does the same, with a
+        warning.
 
         Args:
-            world_size: number of ranks; defaults to ``$WORLD_SIZE`` (1 when unset).
+            world_size: number of ranks; defaults to this process's (``get_world_size_safe()``: the process
+                group's, else ``$WORLD_SIZE``, else 1).
         """
-        from megatron.bridge.training.config_validation import validate_config  # one way: it never imports this
+        from megatron.bridge.training.config_validation import validate_config, validate_fields  # never imports this
 
-        validate_config(_with_sections(self), world_size, INPROCESS_STORE_PORT_OFFSET)
+        if world_size is None:
+            world_size = get_world_size_safe()
+        full = _with_sections(self)
+        validate_fields(full)  # types and spelling first: the reconciliations below read the fields
+        _validate_and_sync_distributed_optimizer_settings(self)
+        _validate_mixed_precision_consistency(self)
+        validate_config(full, world_size, INPROCESS_STORE_PORT_OFFSET)
+        self.data_parallel_size = self.get_data_parallel_size(world_size)
 
 
 def _with_sections(cfg: ConfigContainer) -> ConfigContainer:
@@ -503,4 +603,82 @@ def _with_sections(cfg: ConfigContainer) -> ConfigContainer:
         nvrx_straggler=cfg.nvrx_straggler or NVRxStragglerDetectionConfig(),
         straggler=cfg.straggler or StragglerDetectionConfig(),
         inprocess_restart=cfg.inprocess_restart or InProcessRestartConfig(),
+        profiling=cfg.profiling or ProfilingConfig(),
     )
+
+
+def apply_environment_variables(cfg: ConfigContainer) -> None:
+    """Set each of ``cfg.env_vars`` that this process does not have yet (the launcher's values win).
+
+    Raises:
+        ValueError: a name that is not a non-empty string.
+        TypeError: a value that is not a string, number or bool.
+    """
+    from megatron.bridge.training.env_defaults import apply_env_defaults
+
+    apply_env_defaults(cfg.env_vars)
+
+
+def runtime_config_update(cfg: ConfigContainer) -> None:
+    """Make ``cfg`` ready to train, as Megatron-Bridge's entry points do: apply ``env_vars``, then validate.
+
+    Unlike ``validate()`` alone it also requires a tokenizer (the run's vocabulary), so a config that cannot train
+    stops here, before anything starts. Megatron-Bridge also applies a mixed-precision recipe and
+    communication-overlap settings here; neither exists in this framework (``validate()`` refuses both). Calling it
+    twice changes nothing the second time.
+    """
+    from megatron.bridge.training.config_validation import require_tokenizer
+
+    apply_environment_variables(cfg)
+    require_tokenizer(cfg)
+    cfg.set_data_parallel_size()
+    cfg.validate()
+
+
+def _validate_and_sync_distributed_optimizer_settings(config: ConfigContainer) -> None:
+    """Turn the distributed optimizer (and parameter-gather overlap) on in both DDP and the optimizer.
+
+    As Megatron-Bridge does when either asks for it, with a warning when the two disagreed: both must agree for the
+    optimizer to shard its state over the buffers DDP lays out.
+    """
+    for name, what in (("use_distributed_optimizer", "distributed optimizer"), ("overlap_param_gather", None)):
+        in_ddp, in_optimizer = getattr(config.ddp, name), getattr(config.optimizer, name)
+        if in_ddp or in_optimizer:
+            if in_ddp != in_optimizer:
+                title = what.capitalize() if what else name
+                warn_rank_0(
+                    f"{title} settings were not in sync: ddp.{name}={in_ddp}, optimizer.{name}={in_optimizer}. "
+                    f"Automatically enabling {what or name} for both settings."
+                )
+            setattr(config.ddp, name, True)
+            setattr(config.optimizer, name, True)
+
+
+def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
+    """The model's and the optimizer's precision flags do not contradict each other (Megatron-Bridge's check)."""
+    from megatron.bridge.utils.fields import fail
+
+    m, o = config.model, config.optimizer
+    for section, obj in (("model", m), ("optimizer", o)):
+        if obj.bf16 and obj.fp16:
+            fail(
+                f"{section}.fp16",
+                f"{section.capitalize()} config cannot have both bf16=True and fp16=True",
+                "Please set only one precision mode",
+            )
+    if not o.use_precision_aware_optimizer:
+        return
+    for flag in ("bf16", "fp16"):
+        if getattr(m, flag) and not getattr(o, flag):
+            fail(
+                f"optimizer.{flag}",
+                f"optimizer.{flag}=True must be set when model.{flag}=True and use_precision_aware_optimizer=True",
+                f"set optimizer.{flag}=True",
+            )
+    if not (m.bf16 or m.fp16) and (o.bf16 or o.fp16):
+        fail(
+            "optimizer.bf16" if o.bf16 else "optimizer.fp16",
+            "optimizer.bf16 and optimizer.fp16 must both be False when model is using fp32 precision "
+            "(model.bf16=False, model.fp16=False) and use_precision_aware_optimizer=True",
+            "set both to False, or train the model in that precision",
+        )

@@ -29,8 +29,8 @@ from megatron.bridge.training.checkpoint.validation import validate_checkpoint
 from megatron.bridge.training.event_stream import directory_problem, resolve_directory
 from megatron.bridge.training.field_support import refused_fields
 from megatron.bridge.training.resiliency_validation import validate_resiliency
+from megatron.bridge.utils.fields import ConfigError, field_problems
 from megatron.bridge.utils.fields import fail as _fail
-from megatron.bridge.utils.fields import field_problems
 
 if TYPE_CHECKING:
     from megatron.bridge.models.gpt_provider import GPTModelProvider
@@ -70,17 +70,22 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    _validate_fields(cfg)
+    validate_fields(cfg)
+    _finalize_sections(cfg)
+    _refuse_unsupported(cfg)  # after the sections' own checks: a combination no one accepts is named as such first
     training_ranks = world_size  # with in-process restart's warm reserves, only the active ranks train
     if cfg.inprocess_restart.enabled and 1 <= (cfg.inprocess_restart.active_world_size or 0) <= world_size:
         training_ranks = cfg.inprocess_restart.active_world_size
     _validate_tokenizer(cfg)
     _validate_device(cfg)
     _validate_model(cfg.model, training_ranks)
+    _validate_deterministic_mode(cfg.model)
     _validate_train(cfg, training_ranks)
     _validate_optimizer(cfg)
     _validate_scheduler(cfg)
-    _validate_validation(cfg)
+    if cfg.train.train_iters < 1:  # after the schedule, whose length check names the default decay's cause first
+        _fail("train.train_iters", f"must be >= 1, got {cfg.train.train_iters}", "set the number of optimizer steps")
+    _validate_validation(cfg, training_ranks)
     _validate_dataset(cfg)
     validate_checkpoint(cfg.checkpoint, world_size)
     _validate_runtime(cfg)
@@ -88,23 +93,59 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     validate_resiliency(cfg, world_size, store_port_offset)
 
 
-def _validate_fields(cfg: ConfigContainer) -> None:
-    """Sections of the right class, values of the right type, no misspelt attribute, no refused field changed."""
+def _finalize_sections(cfg: ConfigContainer) -> None:
+    """Each section's own checks (its ``finalize()``, as Megatron-Bridge's ``validate()`` calls them)."""
+    cfg.logger.finalize()
+    cfg.scheduler.finalize()
+    cfg.checkpoint.finalize()
+    cfg.profiling.finalize()
+    for name in ("nvrx_straggler", "tensor_inspect"):
+        section = getattr(cfg, name)
+        if section is not None and hasattr(section, "finalize"):
+            section.finalize()
+
+
+def validate_fields(cfg: ConfigContainer) -> None:
+    """Sections of the right class, values of the right type, no misspelt attribute."""
     for problem in field_problems(cfg, ""):
-        raise ValueError(problem)
+        raise ConfigError(problem)
     for name in SECTIONS:
         section = getattr(cfg, name)
         if dataclasses.is_dataclass(section):
             for problem in field_problems(section, name):
-                raise ValueError(problem)
+                raise ConfigError(problem)
+
+
+def _refuse_unsupported(cfg: ConfigContainer) -> None:
+    """No field this framework cannot honour is set away from its default (``field_support.REFUSED``)."""
     for dotted, value, default, why in refused_fields(cfg):
         _fail(dotted, f"{value!r} is not supported here ({why})", f"leave it at its default {default!r}")
 
 
-def _validate_tokenizer(cfg: ConfigContainer) -> None:
-    """The tokenizer builds from local files; the model's vocabulary holds every id it makes (or takes its size)."""
+def tokenizer_unset(cfg: ConfigContainer) -> bool:
+    """Whether the config names no tokenizer at all (neither ``tokenizer_type`` nor ``metadata_path``)."""
+    return cfg.tokenizer.tokenizer_type is None and cfg.tokenizer.metadata_path is None
+
+
+def require_tokenizer(cfg: ConfigContainer) -> None:
+    """A run needs a tokenizer: fail naming the choices when the config has none (``runtime_config_update``).
+
+    ``validate()`` alone accepts a config without one, as Megatron-Bridge's does (its vocabulary is then unknown);
+    the entry points that start a run call this first, so such a run stops before anything starts.
+    """
+    if tokenizer_unset(cfg):
+        _validate_tokenizer(cfg, required=True)
+
+
+def _validate_tokenizer(cfg: ConfigContainer, required: bool = False) -> None:
+    """The tokenizer builds from local files; the model's vocabulary holds every id it makes (or takes its size).
+
+    A config naming no tokenizer is checked only when ``required`` (see :func:`require_tokenizer`).
+    """
     from megatron.bridge.data.tokenization import build_tokenizer
 
+    if tokenizer_unset(cfg) and not required:
+        return
     m = cfg.model
     vocab_size = build_tokenizer(cfg.tokenizer).vocab_size
     if m.vocab_size is None:
@@ -121,14 +162,20 @@ def _validate_tokenizer(cfg: ConfigContainer) -> None:
 
 def _validate_dataset(cfg: ConfigContainer) -> None:
     from megatron.bridge.data.checks import check_dataset_files, is_mock
-    from megatron.bridge.data.config import GPTDatasetConfig
+    from megatron.bridge.data.config import DatasetProvider, GPTDatasetConfig
 
     d = cfg.dataset
     example = "MockGPTDatasetConfig(seq_length=..., random_seed=..., reset_position_ids=False, ...)"
+    if isinstance(d, DatasetProvider):  # builds its own datasets: only the loader fields are ours to check
+        d.finalize()
+        _validate_loader(d)
+        return
     if not isinstance(d, GPTDatasetConfig):
-        _fail("dataset", f"is a {type(d).__name__}, not a GPTDatasetConfig", f"use {example}")
+        _fail("dataset", f"is a {type(d).__name__}, not a GPTDatasetConfig or DatasetProvider", f"use {example}")
     try:
         d.finalize()
+    except ConfigError:
+        raise  # already names the field
     except (TypeError, AssertionError, ValueError) as err:
         _fail("dataset", f"megatron-core rejects the dataset config: {err}", "fix the field it names")
     if not is_mock(d):
@@ -136,20 +183,24 @@ def _validate_dataset(cfg: ConfigContainer) -> None:
     if d.sequence_length != cfg.model.seq_length:
         _fail(
             "dataset.sequence_length",
-            f"{d.sequence_length} differs from model.seq_length={cfg.model.seq_length}",
+            f"{d.sequence_length} differs from model.seq_length={cfg.model.seq_length}. Please ensure sequence length "
+            "configuration in model config and dataset config match",
             "give both the same sequence length",
         )
-    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        if getattr(d, name) is None:
-            _fail(f"dataset.{name}", "is not set (megatron-core requires it)", "set it to False or True")
+    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):  # set: d.finalize() checks it
         if getattr(d, name) and is_mock(d):
             _fail(f"dataset.{name}", "the mock stream has no document boundaries", "set it to False")
+    if d.hybrid_context_parallel:
+        _fail("dataset.hybrid_context_parallel", "context parallelism is not supported", "set it to False")
+    _validate_loader(d)
+
+
+def _validate_loader(d: object) -> None:
+    """The data-loader fields every dataset config has (``DataloaderConfig``)."""
     if d.dataloader_type not in (None, "single"):
         _fail("dataset.dataloader_type", f"{d.dataloader_type!r} is not supported", 'use "single" (or None)')
     if not d.data_sharding:
         _fail("dataset.data_sharding", "every data-parallel rank always reads its own share", "set it to True")
-    if d.hybrid_context_parallel:
-        _fail("dataset.hybrid_context_parallel", "context parallelism is not supported", "set it to False")
     if d.num_workers < 0:
         _fail("dataset.num_workers", f"must be >= 0, got {d.num_workers}", "use 0 or more workers")
 
@@ -184,7 +235,8 @@ def _validate_pipeline(m: GPTModelProvider) -> None:
         )
 
 
-def _validate_model(m: GPTModelProvider, world_size: int) -> None:
+def check_world_divisible(m: GPTModelProvider, world_size: int) -> int:
+    """The data-parallel size of ``world_size`` ranks; fails when the model-parallel sizes do not divide it."""
     tp = m.tensor_model_parallel_size
     if tp < 1:
         _fail("model.tensor_model_parallel_size", f"must be >= 1, got {tp}", "set a positive size")
@@ -194,9 +246,39 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
     if world_size % (tp * pp):
         _fail(
             "model.tensor_model_parallel_size",
-            f"tensor parallel {tp} x pipeline parallel {pp} does not divide the world size {world_size}",
+            f"world size ({world_size}) is not divisible by total_model_size (tensor parallel {tp} x pipeline "
+            f"parallel {pp})",
             "use sizes whose product divides the number of ranks",
         )
+    return world_size // (tp * pp)
+
+
+def _validate_deterministic_mode(m: GPTModelProvider) -> None:
+    """``model.deterministic_mode``: no fused cross entropy, a fixed NCCL algorithm; torch's deterministic algorithms.
+
+    As Megatron-Bridge's ``validate()``, it turns ``torch.use_deterministic_algorithms`` on.
+    """
+    if not m.deterministic_mode:
+        return
+    if m.cross_entropy_loss_fusion:
+        _fail(
+            "model.cross_entropy_loss_fusion",
+            "Cross Entropy Fusion is currently not deterministic",
+            "set it to False with model.deterministic_mode",
+        )
+    choices = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+    if os.environ.get("NCCL_ALGO") not in choices:
+        _fail(
+            "model.deterministic_mode",
+            f"NCCL_ALGO must be one of {choices} (it is {os.environ.get('NCCL_ALGO')!r})",
+            "export NCCL_ALGO=Ring (or another of them) in the job script",
+        )
+    torch.use_deterministic_algorithms(True)
+
+
+def _validate_model(m: GPTModelProvider, world_size: int) -> None:
+    check_world_divisible(m, world_size)
+    tp = m.tensor_model_parallel_size
     _validate_pipeline(m)
     if m.context_parallel_size != 1:
         _fail(
@@ -205,6 +287,8 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
             "set it to 1 (split long sequences with tensor parallelism and sequence_parallel instead)",
         )
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+        if name == "vocab_size" and m.vocab_size is None:
+            continue  # the tokenizer's, once a tokenizer is configured (require_tokenizer)
         if getattr(m, name) < 1:
             _fail(f"model.{name}", f"must be >= 1, got {getattr(m, name)}", "set a positive value")
     if m.hidden_size % m.num_attention_heads:
@@ -232,7 +316,7 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
             f"{groups} query groups are not divisible by tensor parallel size {tp}",
             "use a multiple of model.tensor_model_parallel_size",
         )
-    if m.padded_vocab_size % tp:
+    if m.vocab_size is not None and m.padded_vocab_size % tp:
         _fail(
             "model.vocab_size",
             f"{m.vocab_size} is not divisible by tensor parallel size {tp}",
@@ -287,7 +371,9 @@ def _validate_device(cfg: ConfigContainer) -> None:
 
 def _validate_train(cfg: ConfigContainer, world_size: int) -> None:
     t, m = cfg.train, cfg.model
-    if t.micro_batch_size is None or t.micro_batch_size < 1:
+    if t.micro_batch_size is None:
+        _fail("train.micro_batch_size", "train.micro_batch_size must be set", "set the samples per micro-batch")
+    if t.micro_batch_size < 1:
         _fail("train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}", "set the samples per micro-batch")
     dp = data_parallel_size(m, world_size)
     if t.global_batch_size is None or "global_batch_size" in t.derived:
@@ -302,19 +388,15 @@ def _validate_train(cfg: ConfigContainer, world_size: int) -> None:
             f"= {t.micro_batch_size} * {dp}",
             f"use a multiple of {t.micro_batch_size * dp}",
         )
-    if t.train_samples is not None:
-        if t.train_iters is not None and "train_iters" not in t.derived:
-            _fail("train.train_samples", "and train.train_iters are both set", "set only one of them")
-        if t.train_samples < t.global_batch_size:
-            _fail(
-                "train.train_samples",
-                f"{t.train_samples} is less than one global batch ({t.global_batch_size})",
-                "train on at least one global batch",
-            )
-        t.train_iters = t.train_samples // t.global_batch_size
-        t.derived.add("train_iters")
-    if t.train_iters is None or t.train_iters < 1:
-        _fail("train.train_iters", f"must be >= 1, got {t.train_iters}", "set the number of optimizer steps")
+    t.finalize()  # one way to give the run's length; train_iters from train_samples (num_epochs: field_support)
+    if t.train_samples is not None and t.train_samples < t.global_batch_size:
+        _fail(
+            "train.train_samples",
+            f"{t.train_samples} is less than one global batch ({t.global_batch_size})",
+            "train on at least one global batch",
+        )
+    if t.train_iters is None:
+        _fail("train.train_iters", "must be set", "set the number of optimizer steps")
     for name in ("eval_iters", "eval_interval", "skip_train"):
         if getattr(t, name) is not None:  # Megatron-Bridge's deprecation path: the value moves to validation
             warnings.warn(f"train.{name} is deprecated: use validation.{name}", DeprecationWarning, stacklevel=2)
@@ -389,47 +471,95 @@ def _validate_optimizer(cfg: ConfigContainer) -> None:
 
 
 def _validate_scheduler(cfg: ConfigContainer) -> None:
-    """Check the schedule and fill its lengths in samples (``lr_warmup_steps``, ``lr_decay_steps``, ...)."""
+    """The schedule against the run's length; fill its lengths in samples (``lr_warmup_steps``, ...).
+
+    As in Megatron-Bridge: an iteration-based run counts the schedule in iterations and a sample-based one in
+    samples; ``lr_decay_iters`` defaults to ``scheduler.max_steps`` or ``train.train_iters``; a warmup as long as
+    the decay is shortened to one step less, with a warning.
+    """
     s, t, o = cfg.scheduler, cfg.train, cfg.optimizer
     gbs = t.global_batch_size
-    by_iters = [n for n in ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters") if getattr(s, n)]
-    by_samples = [n for n in ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples") if getattr(s, n)]
-    if by_iters and by_samples:
-        _fail(f"scheduler.{by_samples[0]}", f"mixes samples with scheduler.{by_iters[0]}", "count in one unit")
-    for name in (*by_iters, *by_samples):
-        if getattr(s, name) < 0:
-            _fail(f"scheduler.{name}", f"must be >= 0, got {getattr(s, name)}", "use a non-negative length")
-    if s.lr_decay_samples is not None:
+    for name in s.derived:  # fields an earlier validate() filled in are derived again
+        setattr(s, name, None)
+    s.derived.clear()
+    if t.train_samples is not None:
+        if s.max_steps is not None:
+            _fail(
+                "scheduler.max_steps",
+                "scheduler.max_steps is only supported for iteration-based training",
+                "use the sample-based scheduler fields with train.train_samples",
+            )
+        for name, instead in (("lr_decay_iters", "lr_decay_samples"), ("lr_warmup_iters", "lr_warmup_samples")):
+            if getattr(s, name):
+                _fail(
+                    f"scheduler.{name}",
+                    f"Use {instead} for sample-based training, not {name}",
+                    f"set scheduler.{instead}",
+                )
+        if s.lr_decay_samples is None:
+            s.lr_decay_samples = t.train_samples
+            s.derived.add("lr_decay_samples")
         decay = s.lr_decay_samples
+        s.wd_incr_steps = t.train_samples
+        s.wsd_decay_steps = s.lr_wsd_decay_samples
+        warmup = s.lr_warmup_samples
     else:
-        decay = (s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters) * gbs
-    if decay < 1:
-        _fail("scheduler.lr_decay_iters", f"the decay must last >= 1 step, got {decay} samples", "use null")
+        for name, instead in (("lr_decay_samples", "lr_decay_iters"), ("lr_warmup_samples", "lr_warmup_iters")):
+            if getattr(s, name):
+                _fail(
+                    f"scheduler.{name}",
+                    f"Use {instead} for iteration-based training, not {name}",
+                    f"set scheduler.{instead}",
+                )
+        if s.max_steps is not None:
+            if s.max_steps < t.train_iters:
+                _fail(
+                    "scheduler.max_steps",
+                    f"scheduler.max_steps ({s.max_steps}) must be greater than or equal to train.train_iters "
+                    f"({t.train_iters})",
+                    "give the full run's length, or leave it null",
+                )
+            if s.lr_decay_iters is not None and s.lr_decay_iters != s.max_steps:
+                _fail(
+                    "scheduler.lr_decay_iters",
+                    f"{s.lr_decay_iters} differs from scheduler.max_steps={s.max_steps}, which sets it",
+                    "leave scheduler.lr_decay_iters null",
+                )
+        if s.lr_decay_iters is None:
+            s.lr_decay_iters = s.max_steps if s.max_steps is not None else t.train_iters
+            s.derived.add("lr_decay_iters")
+        if s.lr_wsd_decay_iters is None and s.lr_decay_style == "WSD":
+            s.lr_wsd_decay_iters = s.lr_decay_iters
+            s.derived.add("lr_wsd_decay_iters")
+        decay = s.lr_decay_iters * gbs
+        s.wd_incr_steps = (s.max_steps or t.train_iters) * gbs
+        s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters is not None else None
+        warmup = s.lr_warmup_iters * gbs
     if s.lr_warmup_fraction is not None:
-        if s.lr_warmup_iters or s.lr_warmup_samples:
-            _fail("scheduler.lr_warmup_fraction", "is set with lr_warmup_iters/_samples", "give the warmup once")
-        if not 0.0 <= s.lr_warmup_fraction < 1.0:
-            _fail("scheduler.lr_warmup_fraction", f"must be in [0, 1), got {s.lr_warmup_fraction}", "use e.g. 0.01")
-        warmup = int(s.lr_warmup_fraction * decay)
-    else:
-        warmup = s.lr_warmup_samples or s.lr_warmup_iters * gbs
+        warmup = s.lr_warmup_fraction * decay
+    if decay <= 0:
+        by_samples = t.train_samples is not None
+        name = "lr_decay_samples" if by_samples else "lr_decay_iters"
+        if name in s.derived:  # the default decay: the run's own length is what is wrong
+            name = "train.train_samples" if by_samples else "train.train_iters"
+            name = "scheduler.max_steps" if s.max_steps and not by_samples else name
+        else:
+            name = f"scheduler.{name}"
+        _fail(
+            name,
+            f"lr_decay_steps must be > 0, got {decay} (the decay length in samples)",
+            "increase train.train_iters/train_samples or scheduler.lr_decay_iters/lr_decay_samples",
+        )
     if warmup >= decay:
-        _fail(
-            "scheduler.lr_warmup_iters",
-            f"the warmup ({warmup} samples) must be shorter than the decay ({decay} samples)",
-            "make warmup shorter than scheduler.lr_decay_iters (default train.train_iters)",
+        warnings.warn(
+            f"lr_warmup_steps ({warmup}) >= lr_decay_steps ({decay}); capping lr_warmup_steps to {decay - 1}. "
+            "Reduce scheduler.lr_warmup_iters (or lr_warmup_samples) for short training runs.",
+            UserWarning,
+            stacklevel=2,
         )
-    wsd = None
-    if s.lr_decay_style == "WSD":
-        if s.lr_wsd_decay_iters is None and s.lr_wsd_decay_samples is None:
-            _fail("scheduler.lr_wsd_decay_iters", "a WSD schedule needs its final anneal's length", "set it")
-        wsd = s.lr_wsd_decay_samples if s.lr_wsd_decay_samples is not None else s.lr_wsd_decay_iters * gbs
-    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
-        _fail(
-            "scheduler.override_opt_param_scheduler",
-            "and scheduler.use_checkpoint_opt_param_scheduler are both set",
-            "choose whose schedule wins on resume",
-        )
+        warmup = decay - 1
+    if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
+        _fail("scheduler.lr_wsd_decay_samples", "a WSD schedule needs its final anneal's length", "set it")
     if not 0.0 <= s.lr_warmup_init <= o.lr:
         _fail("scheduler.lr_warmup_init", f"must be in [0, optimizer.lr={o.lr}], got {s.lr_warmup_init}", "lower it")
     start = s.start_weight_decay if s.start_weight_decay is not None else o.weight_decay
@@ -440,11 +570,33 @@ def _validate_scheduler(cfg: ConfigContainer) -> None:
             f"the weight decay must go from start {start} >= 0 up to end {end}",
             "set scheduler.start_weight_decay <= scheduler.end_weight_decay",
         )
-    s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps, s.wsd_decay_steps = warmup, decay, decay, wsd
+    s.lr_warmup_steps, s.lr_decay_steps = warmup, decay
 
 
-def _validate_validation(cfg: ConfigContainer) -> None:
-    v = cfg.validation
+def _validate_validation(cfg: ConfigContainer, world_size: int) -> None:
+    v, t = cfg.validation, cfg.train
+    batch_sizes = (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size))
+    for name, train_value in batch_sizes:
+        if getattr(v, name) is None or name in v.derived:  # as in Megatron-Bridge: training's, when not given
+            setattr(v, name, train_value)
+            v.derived.add(name)
+    dp = data_parallel_size(cfg.model, world_size)
+    eval_dp = v.eval_micro_batch_size * dp
+    if v.eval_micro_batch_size < 1 or v.eval_global_batch_size % eval_dp:
+        _fail(
+            "validation.eval_global_batch_size",
+            f"eval_global_batch_size ({v.eval_global_batch_size}) must be divisible by eval_micro_batch_size * "
+            f"eval_data_parallel_size ({v.eval_micro_batch_size} * {dp} = {eval_dp})",
+            f"use a multiple of {eval_dp}",
+        )
+    for name, train_value in batch_sizes:
+        if getattr(v, name) != train_value:
+            _fail(
+                f"validation.{name}",
+                f"{getattr(v, name)} differs from the training value {train_value}: evaluation here runs with the "
+                "training batch sizes, so another value would be silently ignored",
+                "leave it null (the training value)",
+            )
     if (v.eval_iters is None or v.eval_iters < 1) and (v.eval_interval is not None or v.skip_train):
         _fail(
             "validation.eval_iters", f"must be >= 1 to evaluate, got {v.eval_iters}", "set a positive number of steps"

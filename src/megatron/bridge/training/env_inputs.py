@@ -16,6 +16,7 @@ ENV_INPUTS: tuple[tuple[str, str], ...] = (
     ("TORCH_CPP_LOG_LEVEL", "in-process restart needs 'error' (job script): quiet c10d logs on abort"),
     ("TORCH_NCCL_RETHROW_CUDA_ERRORS", "in-process restart needs '0' (job script): NCCL errors do not kill ranks"),
     ("NCCL_NVLS_ENABLE", "in-process restart needs '0' (job script): NVLink SHARP off"),
+    ("NCCL_ALGO", "model.deterministic_mode needs one of Tree, Ring, CollnetDirect, CollnetChain, ^NVLS (job script)"),
     ("MBRIDGE_FAULTS", "fault injection of launcher-driven runs (job script): checked like fault_injection.faults"),
 )
 """``(name, why validation reads it)`` for every environment variable the validation modules read."""

@@ -29,6 +29,10 @@ REFUSED: dict[str, str] = {
     "train.manual_gc_interval": "manual garbage collection is not implemented",
     "train.manual_gc_eval": "manual garbage collection is not implemented",
     "train.iterations_to_skip": "skipping iterations is not implemented",
+    "train.num_epochs": (
+        "epoch-based training needs a finite SFT dataset (Megatron-Bridge refuses it for every other dataset too); "
+        "give the length as train_iters or train_samples"
+    ),
     # checkpoint
     "checkpoint.save_optim": "every checkpoint holds the optimizer state (exact resume needs it)",
     "checkpoint.save_rng": "every checkpoint holds the generator states (exact resume needs them)",
@@ -59,7 +63,7 @@ REFUSED: dict[str, str] = {
     "logger.wandb_entity": "Weights & Biases is not supported",
     # dist
     "dist.align_grad_reduce": "gradients are reduced the one way megatron-core's DDP does by default",
-    "dist.lazy_init": "model-parallel state is always initialized here",
+    "dist.lazy_mpu_init": "model-parallel state is always initialized here, never by an external manager",
     "dist.use_megatron_fsdp": "FSDP is not supported",
     "dist.use_torch_fsdp2": "FSDP is not supported",
     "dist.nccl_communicator_config_path": "per-communicator NCCL settings are not supported",

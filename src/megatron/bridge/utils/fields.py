@@ -130,6 +130,14 @@ def field_problems(section: Any, prefix: str) -> Iterator[str]:
             )
 
 
+class ConfigError(ValueError, AssertionError):
+    """A config or data check failed.
+
+    A ``ValueError``; also an ``AssertionError`` because Megatron-Bridge's own checks of the same conditions are
+    assertions, so callers written for either catch it.
+    """
+
+
 def fail(subject: str, problem: str, fix: str) -> typing.NoReturn:
-    """Raise ``ValueError("<subject>: <problem>. Fix: <fix>.")``; ``subject`` is a dotted field or a file."""
-    raise ValueError(f"{subject}: {problem}. Fix: {fix}.")
+    """Raise ``ConfigError("<subject>: <problem>. Fix: <fix>.")``; ``subject`` is a dotted field or a file."""
+    raise ConfigError(f"{subject}: {problem}. Fix: {fix}.")

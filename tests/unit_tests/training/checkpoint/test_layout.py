@@ -130,3 +130,14 @@ def test_tracker_garbage_is_ignored(tmp_path):
     (tmp_path / layout.TRACKER_NAME).write_text("release\n")
     assert layout.read_tracker(str(tmp_path)) is None
     assert layout.read_tracker(str(tmp_path / "missing")) is None
+
+
+def test_retention_also_keeps_every_multiple_of_the_retain_interval(tmp_path):
+    root = str(tmp_path)
+    for it in (10, 20, 30, 40, 50, 60):
+        _fake_save(root, it, f"p{it}".encode())
+        layout.commit(root, it, "a1")
+    layout.write_tracker(root, 60)
+    deleted = layout.apply_retention(root, keep=2, protect=set(), retain_interval=20)
+    assert sorted(deleted) == [10, 30]  # 20 and 40 stay beyond the two newest, which they do not count among
+    assert layout.committed_iterations(root) == [60, 50, 40, 20]

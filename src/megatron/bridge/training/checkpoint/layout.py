@@ -233,15 +233,18 @@ def recover(root: str) -> None:
     fs.fsync_path(root)
 
 
-def apply_retention(root: str, keep: int, protect: set[int]) -> list[int]:
+def apply_retention(root: str, keep: int, protect: set[int], retain_interval: Optional[int] = None) -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` ones, never one in ``protect``.
 
-    The tracker's checkpoint is always protected too. Returns the deleted iterations.
+    The tracker's checkpoint is always protected too, and so is every iteration that is a multiple of
+    ``retain_interval`` (``checkpoint.save_retain_interval``: kept beyond the newest ``keep``, not counted among
+    them). Returns the deleted iterations.
 
     Args:
         root: the save directory.
         keep: how many of the newest committed checkpoints to keep; -1 keeps all.
         protect: iterations that must not be deleted (e.g. a save still being finalized).
+        retain_interval: keep every checkpoint whose iteration is a multiple of it; ``None`` keeps none extra.
     """
     if keep < 0:
         return []
@@ -251,7 +254,7 @@ def apply_retention(root: str, keep: int, protect: set[int]) -> list[int]:
         protected.add(tracked)
     deleted = []
     for iteration in committed_iterations(root)[keep:]:
-        if iteration in protected:
+        if iteration in protected or (retain_interval and iteration % retain_interval == 0):
             continue
         path = iter_dir(root, iteration)
         # Rename first so that a crash mid-delete never leaves a partial iter_N behind.

@@ -30,13 +30,14 @@ MEGATRON_CORE_SECTIONS = {
     ),
     "optimizer": (
         "megatron-core's `OptimizerConfig`",
-        "megatron-core's own checks run at `validate()`. Refused: `optimizer` other than adam/sgd, "
-        "`use_distributed_optimizer` that differs from `ddp.use_distributed_optimizer`, and a precision that differs "
-        "from the model's.",
+        "megatron-core's own checks run at `validate()`. `use_distributed_optimizer` and `overlap_param_gather` "
+        "set here or in `ddp` are turned on in both, with a warning (as in Megatron-Bridge). Refused: `optimizer` "
+        "other than adam/sgd, and a precision that differs from the model's.",
     ),
     "ddp": (
         "megatron-core's `DistributedDataParallelConfig`",
-        "Passed to megatron-core's DDP as it is (`use_distributed_optimizer` must equal the optimizer's).",
+        "Passed to megatron-core's DDP as it is (`use_distributed_optimizer` and `overlap_param_gather` are turned on "
+        "in both this and the optimizer when either asks for them).",
     ),
 }
 """Sections that are megatron-core classes: every field goes to megatron-core; only the listed values are refused."""
@@ -126,8 +127,13 @@ def render() -> str:
     from megatron.bridge.training.config import ConfigContainer
 
     lines: list[str] = [f"{RELEASE_LINE}{megatron_core_release()}.", ""]
+    top_docs = _attribute_docs(ConfigContainer)
     for f in dataclasses.fields(ConfigContainer):
-        if f.name in MEGATRON_CORE_SECTIONS:
+        if not f.init:  # filled in by validate(), not a setting
+            continue
+        if f.name == "env_vars":  # a top-level setting, not a section
+            lines += [f"## `{f.name}`", "", f"Default `{{}}`, honoured: {' '.join(top_docs[f.name].split())}", ""]
+        elif f.name in MEGATRON_CORE_SECTIONS:
             what, note = MEGATRON_CORE_SECTIONS[f.name]
             lines += [f"## `{f.name}`: {what}", "", note, ""]
         elif f.name == "dataset":
@@ -142,7 +148,8 @@ def render() -> str:
             lines += [f"## `{f.name}`", "", f"Refused unless `None`: {field_support.REFUSED[f.name]}.", ""]
         else:
             section = section_class(f.name)
-            lines += _table(f.name, section, "`None` (the default) is off." if section is not f.type else None)
+            off = "`None` (the default) is off." if f.default is None else "`None` is off."
+            lines += _table(f.name, section, off if section is not f.type else None)
     return "\n".join(lines).rstrip() + "\n"
 
 
