@@ -1,4 +1,8 @@
-"""Model providers: megatron-core ``TransformerConfig`` subclasses that build the model they describe."""
+"""Model providers: megatron-core ``TransformerConfig`` subclasses that build the model they describe.
+
+Each implements ``ModelProviderMixin`` (``model_provider.py``), whose ``provide_distributed_model`` builds the model
+a rank trains.
+"""
 
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 from megatron.bridge.models.llama import (
@@ -13,9 +17,11 @@ from megatron.bridge.models.llama import (
     LlamaModelProvider,
     LlamaTinyModelProvider,
 )
+from megatron.bridge.models.model_provider import ModelProviderMixin
 
 __all__ = [
     "GPTModelProvider",
+    "ModelProviderMixin",
     "LlamaModelProvider",
     "Llama3ModelProvider",
     "Llama3ModelProvider8B",
