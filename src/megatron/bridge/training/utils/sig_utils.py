@@ -61,6 +61,11 @@ class DistributedSignalHandler:
         """Whether this process has received the signal (a local answer, no communication)."""
         return self.received_at is not None
 
+    @property
+    def _signal_received(self) -> bool:
+        """Megatron-Bridge's name for :attr:`received` (its handler keeps this flag; code written for it reads it)."""
+        return self.received
+
     def signals_received(self) -> list[bool]:
         """Whether each rank has received the signal, in rank order; ``any(...)`` of it is the decision.
 
