@@ -99,8 +99,8 @@ def test_llama_defaults_are_the_architectures():
         8,
     )
     assert not llama3.rope_scaling
-    assert models.__all__[0] == "GPTModelProvider"
-    for name in models.__all__[1:]:
+    assert models.__all__[:2] == ["GPTModelProvider", "ModelProviderMixin"]
+    for name in models.__all__[2:]:
         assert getattr(models, name) is getattr(llama_provider, name)
 
 
