@@ -7,29 +7,75 @@ hash the files in parallel, rank 0 writes the manifest and commits (see ``checkp
 
 Loading recovers what an interrupted save left behind, verifies the candidate against its manifest (hashing split
 over ranks) and falls back to the next older checkpoint when verification fails.
+
+Megatron-Bridge's function API lives here too, and :class:`CheckpointManager` is built on it: the state dict comes
+from :func:`generate_state_dict` with the RNG states of :func:`get_rng_state`, a verified checkpoint is read by
+:func:`_load_base_checkpoint`, and :func:`save_checkpoint` / :func:`load_checkpoint` (and
+:class:`DefaultCheckpointManager`, Megatron-Bridge's pluggable manager) drive the same manager the training loop uses.
 """
 
 import enum
 import logging
 import os
+import random
+import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
 
+import numpy as np
 import torch
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from megatron.core.utils import get_pg_size
 
 from megatron.bridge.training import event_stream, fault_injection
 from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, storage
 from megatron.bridge.training.checkpoint.local_tier import LocalTier, local_tier_of
 from megatron.bridge.training.checkpoint.resume import resolve_resume_path
+from megatron.bridge.training.checkpoint.run_config import to_plain
+from megatron.bridge.training.checkpoint.state_dict import (  # noqa: F401 - Megatron-Bridge's names, re-exported
+    _build_sharded_state_dict_metadata,
+    _generate_model_state_dict,
+    _get_train_state_from_state_dict,
+    _is_model_section,
+    delete_extra_state,
+    generate_state_dict,
+)
 from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard, missing_checkpoint
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.state import TrainState
+from megatron.bridge.training.utils.checkpoint_utils import (  # noqa: F401 - Megatron-Bridge's names, re-exported
+    TRACKER_PREFIX,
+    checkpoint_exists,
+    ensure_directory_exists,
+    file_exists,
+    get_checkpoint_name,
+    get_checkpoint_run_config_filename,
+    get_checkpoint_tracker_filename,
+    get_checkpoint_train_state_filename,
+    is_checkpoint_iteration_directory,
+    read_run_config,
+    read_train_state,
+)
+from megatron.bridge.utils.common_utils import print_rank_0
+from megatron.bridge.utils.cpu_shims import training_on_cpu
 from megatron.bridge.utils.dist import all_gather_object, barrier, broadcast_from_rank0, on_rank0, rank, world_size
 from megatron.bridge.utils.orphans import die_with_this_process
+
+try:
+    import nvidia_resiliency_ext.checkpointing  # noqa: F401
+
+    HAVE_RESIL = True
+except ImportError:
+    HAVE_RESIL = False
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +120,434 @@ LOCAL_LOAD_SUSPECT_STEPS = 10
 """A non-finite loss this many steps or fewer after a local-tier load is blamed on the local checkpoint."""
 
 
+_DIRECT_ITERATION_DIR_SENTINEL = -2
+"""What :func:`_resolve_checkpoint_iteration` returns when the load directory is itself one checkpoint's directory."""
+
+_NON_PERSISTENT_TYPES = ("global", "local")
+
+
+def _tracker_device() -> torch.device:
+    """Where a tensor for a collective of the default process group must live (chosen at run time)."""
+    return torch.device("cpu" if training_on_cpu() or not torch.cuda.is_available() else "cuda")
+
+
+def read_metadata(tracker_filename: str) -> tuple[int, bool]:
+    """The iteration in a Megatron-LM tracker file and whether it names the ``release`` checkpoint.
+
+    With ``torch.distributed`` initialized every rank must call it: the ranks agree on the largest iteration any
+    of them read (a rank that read an older tracker on a lagging file system is warned about and overruled).
+
+    Raises:
+        SystemExit: the file holds neither an iteration nor ``release`` (Megatron-LM's behaviour).
+    """
+    iteration, release = 0, False
+    with open(tracker_filename) as f:
+        text = f.read().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        release = text == "release"
+        if not release:
+            print_rank_0(f"ERROR: invalid metadata file {tracker_filename}: {text[:40]!r}. Exiting")
+            sys.exit()
+    assert iteration > 0 or release, f"error parsing metadata file {tracker_filename}"
+    if not torch.distributed.is_initialized():
+        return iteration, release
+    agreed = torch.tensor([iteration], dtype=torch.long, device=_tracker_device())
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+    max_iteration = agreed[0].item()
+    if max_iteration != iteration:
+        print_rank_0(
+            f"WARNING: rank {torch.distributed.get_rank()} read iteration {iteration} from {tracker_filename} "
+            f"while the largest across ranks is {max_iteration}; using {max_iteration}"
+        )
+    return max_iteration, release
+
+
+def find_checkpoint_rank_0(checkpoints_path: str, iteration: int, release: bool = False) -> Optional[str]:
+    """The directory of the checkpoint of ``iteration`` if it is a ``torch_dist`` checkpoint, else ``None``."""
+    checkpoint_dir = get_checkpoint_name(checkpoints_path, iteration, release=release)
+    return checkpoint_dir if dist_checkpointing.check_is_distributed_checkpoint(checkpoint_dir) else None
+
+
+def _get_checkpoint_format(checkpoint_path: str) -> str:
+    """The format of the checkpoint in ``checkpoint_path``: ``torch_dist`` or ``fsdp_dtensor`` (PyTorch DCP).
+
+    Raises:
+        NotImplementedError: neither.
+    """
+    if dist_checkpointing.check_is_distributed_checkpoint(checkpoint_path):
+        return "torch_dist"
+    if os.path.exists(os.path.join(checkpoint_path, ".metadata")):
+        return "fsdp_dtensor"
+    raise NotImplementedError(f"Unknown checkpoint format in {checkpoint_path}")
+
+
+def get_rng_state(
+    data_parallel_random_init: bool,
+    ckpt_format: str = "torch_dist",
+    *,
+    pg_collection: Any,
+    module_name: Optional[str] = None,
+) -> Any:
+    """The states of every random generator of this rank (python, numpy, torch, CUDA, megatron-core's tracker).
+
+    Args:
+        data_parallel_random_init: gather the states of every data-parallel rank (they differ then).
+        ckpt_format: ``torch_dist``: a ``ShardedObject`` sharded over (pipeline, tensor) ranks with the
+            data-parallel rank as replica id, or over (pipeline, tensor, data) ranks with expert parallelism;
+            ``fsdp_dtensor``: a dict keyed ``"(pp_rank, tp_rank)"``.
+        pg_collection: the process groups (``pp``, ``tp``, ``dp_cp``, ``ep``).
+        module_name: names the sharded object ``rng_state.<module_name>`` (several models in one run).
+    """
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if not training_on_cpu():  # a GPU node running with dist.device=cpu leaves CUDA untouched
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    states = [state]
+    if torch.distributed.is_initialized() and data_parallel_random_init and pg_collection.dp_cp.size() > 1:
+        states = [None] * pg_collection.dp_cp.size()
+        torch.distributed.all_gather_object(states, state, group=pg_collection.dp_cp)
+    pp_rank, tp_rank = pg_collection.pp.rank(), pg_collection.tp.rank()
+    if ckpt_format == "fsdp_dtensor":
+        return {f"({pp_rank}, {tp_rank})": states}
+    if ckpt_format != "torch_dist":
+        return states
+    key = f"rng_state.{module_name}" if module_name else "rng_state"
+    shape, offset = (pg_collection.pp.size(), pg_collection.tp.size()), (pp_rank, tp_rank)
+    if get_pg_size(pg_collection.ep) > 1:  # expert-parallel ranks of one data-parallel group differ
+        return ShardedObject(
+            key,
+            states,
+            shape + (pg_collection.dp_cp.size(),),
+            offset + (pg_collection.dp_cp.rank(),),
+            replica_id=0,
+        )
+    return ShardedObject(key, states, shape, offset, replica_id=pg_collection.dp_cp.rank())
+
+
+def _process_groups() -> Any:
+    """The run's process groups as megatron-core's ``ProcessGroupCollection`` (pp, tp, dp_cp, ep)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        ep=parallel_state.get_expert_model_parallel_group(check_initialized=False),
+    )
+
+
+def _load_model_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+    """Load ``state_dict`` into ``module``; a strict load tolerates Transformer Engine ``._extra_state`` keys only.
+
+    A strict load that fails is retried non-strictly and accepted when every missing or unexpected key is an
+    ``._extra_state`` (their format changes between Transformer Engine releases; they hold no weights). Any other
+    mismatch is logged and raised: a model with weights missing must not train on silently.
+
+    Raises:
+        RuntimeError: strict loading found mismatched weights; any error of a non-strict load.
+    """
+    try:
+        module.load_state_dict(state_dict, strict=strict)
+    except Exception as err:
+        if not strict:
+            raise
+        result = module.load_state_dict(state_dict, strict=False)
+        mismatched = [k for k in [*result.missing_keys, *result.unexpected_keys] if not k.endswith("._extra_state")]
+        if mismatched:
+            print_rank_0(f"Warning: Exception during strict loading: {err}")
+            print_rank_0(f"Non-extra-state mismatched keys: {mismatched}")
+            raise RuntimeError(
+                f"the checkpoint's model state does not match the model: {mismatched[:10]} (not only Transformer "
+                "Engine extra states); load a checkpoint of this model or fix the model config"
+            ) from err
+
+
+def _resolve_checkpoint_iteration(load_dir: Optional[str], ckpt_step_override: Optional[int]) -> tuple[int, bool]:
+    """Which iteration of ``load_dir`` to load, and whether it is the ``release`` checkpoint.
+
+    ``load_dir`` that is itself one checkpoint's directory gives :data:`_DIRECT_ITERATION_DIR_SENTINEL`;
+    ``ckpt_step_override`` that iteration (its directory must exist); otherwise the tracker decides
+    (``latest_train_state.pt``, else Megatron-LM's ``latest_checkpointed_iteration.txt``); ``-1``: none found.
+
+    Raises:
+        FileNotFoundError: ``ckpt_step_override`` names a checkpoint that does not exist.
+    """
+    if is_checkpoint_iteration_directory(load_dir):
+        print_rank_0(f"Loading checkpoint directly from iteration directory {load_dir}")
+        return _DIRECT_ITERATION_DIR_SENTINEL, False
+    if ckpt_step_override is not None:
+        checkpoint_dir = get_checkpoint_name(load_dir, ckpt_step_override, release=False)
+        if not file_exists(checkpoint_dir):
+            raise FileNotFoundError(
+                f"ckpt_step={ckpt_step_override} specified but checkpoint directory does not exist: "
+                f"{checkpoint_dir}\nAvailable checkpoints can be listed with: ls {load_dir}/iter_*"
+            )
+        return ckpt_step_override, False
+    if load_dir is None:
+        return -1, False
+    train_state_file = get_checkpoint_train_state_filename(load_dir, prefix=TRACKER_PREFIX)
+    if file_exists(train_state_file):
+        read_train_state.cache_clear()  # a later save of this run rewrote it: never trust a cached copy here
+        return read_train_state(train_state_file).step, False
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if file_exists(tracker):
+        return read_metadata(tracker)
+    return -1, False
+
+
+def _get_non_persistent_iteration(
+    non_persistent_global_dir: str,
+    non_persistent_ckpt_type: Optional[Literal["global", "local"]] = None,
+    checkpointing_context: Optional[dict[str, Any]] = None,
+) -> int:
+    """The iteration of the newest non-persistent checkpoint; ``-1`` when there is none (or no such tier).
+
+    ``local``: asks ``checkpointing_context["local_checkpoint_manager"]``; ``global``: the train state tracker of
+    ``non_persistent_global_dir``.
+
+    Raises:
+        ValueError: another ``non_persistent_ckpt_type``.
+    """
+    if non_persistent_ckpt_type is None:
+        return -1
+    if non_persistent_ckpt_type == "local":
+        return checkpointing_context["local_checkpoint_manager"].find_latest()
+    if non_persistent_ckpt_type != "global":
+        raise ValueError(f"Please use local or global non-persistent checkpoints. Got: {non_persistent_ckpt_type}")
+    tracker = get_checkpoint_train_state_filename(non_persistent_global_dir, prefix=TRACKER_PREFIX)
+    if not file_exists(tracker):
+        print_rank_0(f"WARNING: no non-persistent checkpoint tracker {tracker}; not loading a non-persistent one")
+        return -1
+    return read_train_state(tracker).step
+
+
+def _has_global_non_persistent_checkpoint(load_dir: Optional[str], ckpt_cfg: CheckpointConfig) -> bool:
+    """Whether a global non-persistent checkpoint exists.
+
+    It is looked for in ``non_persistent_global_ckpt_dir``, else in ``<save or load>/non_persistent``; always
+    ``False`` unless ``non_persistent_ckpt_type="global"``.
+    """
+    if ckpt_cfg.non_persistent_ckpt_type != "global":
+        return False
+    if ckpt_cfg.non_persistent_global_ckpt_dir:
+        candidates = [ckpt_cfg.non_persistent_global_ckpt_dir]
+    else:
+        candidates = [os.path.join(root, "non_persistent") for root in (ckpt_cfg.save, load_dir) if root]
+    return any(checkpoint_exists(path) for path in candidates)
+
+
+def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str, Any]:
+    """The context shared by the saves and loads of a run (load strategy, local checkpoint manager, the manager).
+
+    Empty at first: :class:`CheckpointManager` adds ``checkpoint_manager`` (itself) and, for the local tier,
+    ``local_checkpoint_manager`` (nvidia-resiliency-ext's manager behind ``checkpoint/local_tier.py``) when
+    :func:`save_checkpoint` or :func:`load_checkpoint` first runs with this context.
+
+    Raises:
+        RuntimeError: ``non_persistent_ckpt_type="local"`` without nvidia-resiliency-ext installed.
+    """
+    if checkpoint_config.non_persistent_ckpt_type == "local" and not HAVE_RESIL:
+        raise RuntimeError(
+            "local checkpointing (checkpoint.non_persistent_ckpt_type='local') needs the 'nvidia_resiliency_ext' "
+            "package, which is not installed: install it or unset checkpoint.non_persistent_ckpt_type"
+        )
+    return {}
+
+
+def cleanup_old_non_persistent_checkpoint(
+    save_dir: str, leave_ckpt_num: int = 1, do_async: bool = False, *, max_iteration: Optional[int] = None
+) -> None:
+    """Delete the ``iter_*`` checkpoints of ``save_dir`` but the newest ``leave_ckpt_num`` (rank 0 only).
+
+    ``max_iteration``: newer directories (a save still in progress) are left alone. Each checkpoint is renamed
+    before it is deleted, so a crash never leaves a half-deleted ``iter_*`` that looks loadable
+    (``checkpoint/layout.py``); ``do_async`` deletes in a background thread.
+    """
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    found = []
+    for path in Path(save_dir).glob("iter_*"):
+        suffix = path.name[len("iter_") :]
+        if suffix.isdigit() and (max_iteration is None or int(suffix) <= max_iteration):
+            found.append(int(suffix))
+    found.sort()
+    doomed = found[:-leave_ckpt_num] if leave_ckpt_num > 0 else found
+    if not doomed:
+        return
+    print_rank_0(f"Non-persistent checkpoints scheduled for removal: {doomed}; kept: {found[len(doomed) :]}")
+    layout.remove_checkpoints(save_dir, doomed, background=do_async)
+
+
+def _load_global_dist_base_checkpoint(
+    load_dir: str,
+    ckpt_cfg: CheckpointConfig,
+    rank0: bool,
+    sharded_state_dict: Optional[dict[str, Any]],
+    iteration: Optional[int],
+    release: bool,
+    checkpoint_path_override: Optional[str] = None,
+    checkpointing_context: Optional[dict[str, Any]] = None,
+    *,
+    pg_collection: Any = None,
+) -> tuple[dict[str, Any], str, bool, "CheckpointType"]:
+    """Read a ``torch_dist`` checkpoint: its common part only (``rank0``), or ``sharded_state_dict`` filled.
+
+    ``checkpoint_path_override``: the checkpoint's directory, instead of ``iteration``'s in ``load_dir``. The load
+    strategy (fully parallel with ``fully_parallel_load``) is kept in ``checkpointing_context["load_strategy"]``.
+
+    Raises:
+        RuntimeError: a full load without ``sharded_state_dict``.
+    """
+    if rank0:
+        name = checkpoint_path_override or find_checkpoint_rank_0(load_dir, iteration, release)
+        return dist_checkpointing.load_common_state_dict(name), name, release, CheckpointType.GLOBAL
+    if sharded_state_dict is None:
+        raise RuntimeError("Detected load from a distributed checkpoint, but sharded state dict is not provided.")
+    name = checkpoint_path_override or get_checkpoint_name(load_dir, iteration, release)
+    strategy = TorchDistLoadShardedStrategy()
+    if ckpt_cfg.fully_parallel_load:
+        group = pg_collection.dp_cp if pg_collection is not None else _process_groups().dp_cp
+        strategy = FullyParallelLoadStrategyWrapper(strategy, group)
+    if checkpointing_context is not None:
+        checkpointing_context["load_strategy"] = strategy
+    state_dict = dist_checkpointing.load(sharded_state_dict, name, strategy, strict=ckpt_cfg.dist_ckpt_strictness)
+    return state_dict, name, release, CheckpointType.GLOBAL
+
+
+def _load_non_persistent_base_checkpoint(
+    non_persistent_global_dir: str,
+    ckpt_cfg: CheckpointConfig,
+    rank0: bool,
+    sharded_state_dict: Optional[dict[str, Any]],
+    non_persistent_iteration: int,
+    checkpointing_context: Optional[dict[str, Any]] = None,
+    cfg: Any = None,
+    *,
+    pg_collection: Any = None,
+) -> tuple[dict[str, Any], Any, bool, "CheckpointType"]:
+    """Read the newest non-persistent checkpoint.
+
+    A global one from ``non_persistent_global_dir``, or the local tier's
+    (``checkpointing_context["local_checkpoint_manager"]``; ``rank0`` needs no metadata from it).
+    """
+    if ckpt_cfg.non_persistent_ckpt_type == "global":
+        return _load_global_dist_base_checkpoint(
+            non_persistent_global_dir,
+            ckpt_cfg,
+            rank0,
+            sharded_state_dict,
+            non_persistent_iteration,
+            False,
+            checkpointing_context=checkpointing_context,
+            pg_collection=pg_collection,
+        )
+    if ckpt_cfg.non_persistent_ckpt_type != "local":
+        raise ValueError(
+            f"Please use local or global non-persistent checkpoints. Got: {ckpt_cfg.non_persistent_ckpt_type}"
+        )
+    if rank0:
+        return {}, non_persistent_iteration, False, CheckpointType.LOCAL
+    intermediate, name = checkpointing_context["local_checkpoint_manager"].load()
+    group = pg_collection.dp_cp if pg_collection is not None else _process_groups().dp_cp
+    state_dict = intermediate.to_state_dict(
+        sharded_state_dict, algo=ckpt_cfg.non_persistent_local_ckpt_algo, parallelization_group=group
+    )
+    return state_dict, name, False, CheckpointType.LOCAL
+
+
+def _load_base_checkpoint(
+    load_dir: Optional[str],
+    ckpt_cfg: CheckpointConfig,
+    rank0: bool = False,
+    sharded_state_dict: Optional[dict[str, Any]] = None,
+    checkpointing_context: Optional[dict[str, Any]] = None,
+    ignore_ckpt_step: bool = False,
+    cfg: Any = None,
+    *,
+    pg_collection: Any = None,
+) -> tuple[Optional[dict[str, Any]], Any, bool, Optional["CheckpointType"]]:
+    """Read the checkpoint of ``load_dir`` that :func:`_resolve_checkpoint_iteration` picks.
+
+    Its common part (``rank0``), or ``sharded_state_dict`` filled; a newer non-persistent checkpoint wins when
+    ``ckpt_step`` is unset. :class:`CheckpointManager` passes the directory of the checkpoint it verified (a direct
+    iteration directory), so the files read are the ones checked against the manifest. Returns
+    ``(state_dict, checkpoint name, release, CheckpointType)``; ``(None, "", False, None)`` when there is none.
+
+    Raises:
+        TrainingExit: ``NO_VALID_CHECKPOINT`` when there is none and ``exit_on_missing_checkpoint`` is set.
+        NotImplementedError: the checkpoint is not ``torch_dist``, or not in the configured format.
+    """
+    step = None if ignore_ckpt_step else ckpt_cfg.ckpt_step
+    iteration, release = _resolve_checkpoint_iteration(load_dir, step)
+    if iteration == _DIRECT_ITERATION_DIR_SENTINEL:
+        checkpoint_format = _get_checkpoint_format(load_dir)
+        if checkpoint_format != "torch_dist":
+            raise NotImplementedError(f"Checkpoint format {checkpoint_format} not supported")
+        return _load_global_dist_base_checkpoint(
+            load_dir,
+            ckpt_cfg,
+            rank0,
+            sharded_state_dict,
+            None,
+            False,
+            checkpoint_path_override=load_dir,
+            checkpointing_context=checkpointing_context,
+            pg_collection=pg_collection,
+        )
+    non_persistent_dir, non_persistent_iteration = "", -1
+    if step is None and ckpt_cfg.non_persistent_ckpt_type in _NON_PERSISTENT_TYPES:
+        if ckpt_cfg.non_persistent_ckpt_type == "global":
+            non_persistent_dir = ckpt_cfg.non_persistent_global_ckpt_dir or os.path.join(
+                ckpt_cfg.save or load_dir or "", "non_persistent"
+            )
+        non_persistent_iteration = _get_non_persistent_iteration(
+            non_persistent_dir, ckpt_cfg.non_persistent_ckpt_type, checkpointing_context
+        )
+    if non_persistent_iteration != -1 and non_persistent_iteration >= iteration:
+        return _load_non_persistent_base_checkpoint(
+            non_persistent_dir,
+            ckpt_cfg,
+            rank0,
+            sharded_state_dict,
+            non_persistent_iteration,
+            checkpointing_context,
+            cfg,
+            pg_collection=pg_collection,
+        )
+    if iteration == -1:
+        if ckpt_cfg.exit_on_missing_checkpoint:
+            raise TrainingExit(
+                ExitCode.NO_VALID_CHECKPOINT,
+                missing_checkpoint("checkpoint.load", str(load_dir), bool(load_dir) and os.path.isdir(load_dir)),
+            )
+        print_rank_0(f"WARNING: no checkpoint tracker in {load_dir}; not loading a checkpoint, training from scratch")
+        return None, "", False, None
+    checkpoint_path = get_checkpoint_name(load_dir, iteration, release)
+    checkpoint_format = _get_checkpoint_format(checkpoint_path)
+    if checkpoint_format != ckpt_cfg.ckpt_format or checkpoint_format != "torch_dist":
+        raise NotImplementedError(
+            f"{checkpoint_path} is a {checkpoint_format} checkpoint; checkpoint.ckpt_format={ckpt_cfg.ckpt_format} "
+            "and this package reads torch_dist checkpoints only"
+        )
+    return _load_global_dist_base_checkpoint(
+        load_dir,
+        ckpt_cfg,
+        rank0,
+        sharded_state_dict,
+        iteration,
+        release,
+        checkpointing_context=checkpointing_context,
+        pg_collection=pg_collection,
+    )
+
+
 def _hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
     """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0."""
 
@@ -105,6 +579,29 @@ def verify_checkpoint(ckpt_dir: str) -> list[str]:
     return sorted(p for part in all_gather_object(problems) for p in part)
 
 
+def _foreign_without_manifest(ckpt_dir: str) -> Optional[str]:
+    """Why ``ckpt_dir`` is loaded unverified, or ``None`` when it is verified (or refused) as usual.
+
+    Unverified: it has no manifest and was written elsewhere (Megatron-Bridge, a conversion tool). ``None``: it has
+    a manifest, or was written by this package (without its manifest it is damaged), or its common part is
+    unreadable. Runs on one rank.
+    """
+    if os.path.exists(os.path.join(ckpt_dir, manifest.MANIFEST_NAME)):
+        return None
+    try:
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    except Exception:  # noqa: BLE001 - unreadable: verification reports the missing manifest
+        return None
+    if contents.written_here(common):
+        return None
+    files = manifest.list_files(ckpt_dir)
+    return (
+        f"checkpoint {ckpt_dir} was not written by this package and has no {manifest.MANIFEST_NAME}: the sizes and "
+        f"SHA-256 hashes of its {len(files)} files ({', '.join(files[:6])}{', ...' if len(files) > 6 else ''}) "
+        "cannot be verified, so a truncated or corrupted file is not detected before the load; loading it unverified"
+    )
+
+
 class CheckpointManager:
     """Saves and loads global checkpoints for one run; owns the async save queue.
 
@@ -114,6 +611,8 @@ class CheckpointManager:
             function returning plain values, called at each save. Their values may differ between ranks and runs
             (rank 0's are in a global checkpoint); :attr:`loaded_common_extra` holds them after a load.
         on_saved: called ``(directory, tier, iteration)`` on every rank once a checkpoint is committed.
+        run_config: the run's whole config (``ConfigContainer``), saved as ``run_config.yaml`` into every global
+            checkpoint (Megatron-Bridge's layout); ``None`` leaves the file out.
     """
 
     def __init__(
@@ -121,8 +620,10 @@ class CheckpointManager:
         cfg: CheckpointConfig,
         common_extra: Optional[dict[str, Callable[[], Any]]] = None,
         on_saved: Optional[Callable[[str, CheckpointType, int], None]] = None,
+        run_config: Any = None,
     ) -> None:
         self.cfg = cfg
+        self._run_config = to_plain(run_config) if run_config is not None else None
         self._on_saved = on_saved or (lambda name, kind, iteration: None)
         self._common_extra = dict(common_extra or {})
         self.loaded_common_extra: dict[str, Any] = {}
@@ -153,6 +654,11 @@ class CheckpointManager:
             self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
         self.local: Optional[LocalTier] = local_tier_of(cfg, on_saved=self._local_saved)
         """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
+        self.checkpointing_context: dict[str, Any] = {"checkpoint_manager": self}
+        """Megatron-Bridge's checkpointing context of this run: this manager, the load strategy of the last load and,
+        with the local tier, nvidia-resiliency-ext's ``local_checkpoint_manager``."""
+        if self.local is not None:
+            self.checkpointing_context["local_checkpoint_manager"] = self.local.manager
         self.loaded_local_iteration: Optional[int] = None
         """The iteration of the local-tier checkpoint this run started from (``None``: global tier or none)."""
         self.resumed: dict[str, Any] = {"tier": None, "iteration": None, "directory": None, "why": "not loaded yet"}
@@ -207,8 +713,16 @@ class CheckpointManager:
         self._saves += 1
         attempt = f"{self._run_id}-{self._saves}"
         tmp = layout.tmp_dir(root, iteration, attempt)
+        progress = state.state_dict()  # train_state.pt holds the state of this step, not of the async commit's
         sharded_sd = contents.sharded_state_dict(
-            model, optimizer, scheduler, state, rank_extra=rank_extra, common_extra=self._extras()
+            model,
+            optimizer,
+            scheduler,
+            state,
+            rank_extra=rank_extra,
+            common_extra=self._extras(),
+            ckpt_cfg=self.cfg,
+            generator_states=self._generator_states(),
         )
         # Every rank creates tmp and checks the free space, then all agree: nothing is written when it is short.
         if not self.storage.before_save(GLOBAL, iteration, storage.tensor_bytes(sharded_sd), tmp):
@@ -229,7 +743,7 @@ class CheckpointManager:
                     },
                 )
             if self._queue is None:
-                self._commit(iteration, attempt)
+                self._commit(iteration, attempt, progress)
         except StorageGuard.SAVE_ERRORS as err:
             if not self.storage.save_failed(err, GLOBAL, iteration, tmp):  # full or unavailable: stops, or goes on
                 raise
@@ -239,7 +753,7 @@ class CheckpointManager:
         else:
             if request.async_fn is not None:  # None when this rank has nothing to write
                 request = request._replace(async_fn=async_writer.writer(request.async_fn, tmp, rank(), iteration))
-            request.add_finalize_fn(lambda: self._commit(iteration, attempt))
+            request.add_finalize_fn(lambda: self._commit(iteration, attempt, progress))
             self._queue.schedule_async_request(request)
             self._pending, self._pending_tmp = iteration, tmp
             what = "Scheduling async checkpoint save"
@@ -252,12 +766,16 @@ class CheckpointManager:
             self.last_blocking_seconds,
         )
 
-    def _commit(self, iteration: int, attempt: str) -> None:
-        """After every rank wrote its files: hash, write the manifest, commit, apply retention (all ranks)."""
+    def _commit(self, iteration: int, attempt: str, progress: dict[str, Any]) -> None:
+        """After every rank wrote its files: add the per-checkpoint files, hash, write the manifest, commit (all ranks).
+
+        ``progress``: the train state of the save's step, for ``train_state.pt``; retention runs after the commit.
+        """
         start = time.perf_counter()
         root = self.cfg.save
         tmp = layout.tmp_dir(root, iteration, attempt)
         layout.crash_point("during_write", rank(), iteration)
+        on_rank0(lambda: layout.write_iteration_files(tmp, progress, self._run_config), "writing train_state.pt")
         barrier()
         entries = _hash_checkpoint(tmp)
 
@@ -277,7 +795,9 @@ class CheckpointManager:
     def save_local(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> None:
         """Save the current state into the local tier (same content as a global checkpoint)."""
         assert self.local is not None, "validate() guarantees the local tier when a local save is due"
-        sharded_sd = contents.sharded_state_dict(model, optimizer, scheduler, state)
+        sharded_sd = contents.sharded_state_dict(
+            model, optimizer, scheduler, state, ckpt_cfg=self.cfg, generator_states=self._generator_states()
+        )
         self.storage.before_save(LOCAL, state.step, storage.tensor_bytes(sharded_sd))
         fault_injection.fill_storage(fault_injection.LOCAL_SAVE, rank(), state.step, self.storage.local_dir)
         try:
@@ -294,6 +814,10 @@ class CheckpointManager:
     def _local_saved(self, iteration: int) -> None:
         self.storage.sizes[LOCAL] = self.local.node_bytes(iteration) if self.local is not None else None
         self._on_saved(self.cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL, iteration)
+
+    def _generator_states(self) -> dict[str, Any]:
+        """The generator states of this rank, collected by :func:`get_rng_state` (each rank stores its own)."""
+        return get_rng_state(False, "torch_dist", pg_collection=_process_groups()).data[0]
 
     def _extras(self) -> dict[str, Any]:
         return {name: provide() for name, provide in self._common_extra.items()}
@@ -392,7 +916,12 @@ class CheckpointManager:
             return None
         for iteration in candidates:
             ckpt_dir = layout.iter_dir(root, iteration)
-            problems = verify_checkpoint(ckpt_dir)
+            unverified = on_rank0(
+                lambda ckpt_dir=ckpt_dir: _foreign_without_manifest(ckpt_dir), "reading the checkpoint's common part"
+            )
+            problems = [] if unverified else verify_checkpoint(ckpt_dir)
+            if unverified:
+                logger.warning(unverified)
             if problems:
                 logger.error(
                     "checkpoint %s failed verification (%d problems): %s; trying an older one",
@@ -417,7 +946,12 @@ class CheckpointManager:
                 logger.warning("fell back to checkpoint at iteration %d (newest was %d)", iteration, candidates[0])
                 why += f" (newer {[c for c in candidates if c > iteration]} failed verification)"
             self.resumed = {"tier": "global", "iteration": iteration, "directory": ckpt_dir, "why": why}
-            logger.info("successfully loaded verified checkpoint %s at iteration %d", ckpt_dir, state.step)
+            logger.info(
+                "successfully loaded %s checkpoint %s at iteration %d",
+                "unverified" if unverified else "verified",
+                ckpt_dir,
+                state.step,
+            )
             return iteration
         raise TrainingExit(
             ExitCode.NO_VALID_CHECKPOINT,
@@ -493,19 +1027,93 @@ class CheckpointManager:
     def _load_dir(
         self, ckpt_dir: str, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> None:
-        from megatron.core import dist_checkpointing
-
-        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+        """Read the verified checkpoint ``ckpt_dir`` by its own directory (so exactly the files verified)."""
+        context = self.checkpointing_context
+        common, *_ = _load_base_checkpoint(ckpt_dir, self.cfg, rank0=True, checkpointing_context=context)
+        if not contents.written_here(common):
+            return self._load_foreign(ckpt_dir, common, model, optimizer, scheduler, state)
         sharded_sd = self._state_dict_to_load(common, model, optimizer, scheduler, state)
-        loaded = dist_checkpointing.load(sharded_sd, ckpt_dir, strict=self.cfg.dist_ckpt_strictness)
+        loaded, *_ = _load_base_checkpoint(
+            ckpt_dir, self.cfg, rank0=False, sharded_state_dict=sharded_sd, checkpointing_context=context
+        )
         self._apply(loaded, model, optimizer, scheduler, state)
+
+    def _load_foreign(
+        self,
+        ckpt_dir: str,
+        common: dict,
+        model: list[torch.nn.Module],
+        optimizer: Any,
+        scheduler: Any,
+        state: TrainState,
+    ) -> None:
+        """Load a checkpoint Megatron-Bridge wrote (its content, not this package's).
+
+        Its sections are read with the layout metadata it was saved with, the train state from its
+        ``train_state.pt`` (else its ``iteration``), the RNG states from its ``rng_state`` object when it saved them.
+
+        Raises:
+            TrainingExit: ``NO_VALID_CHECKPOINT`` when it was saved without its optimizer state.
+        """
+        from megatron.core import parallel_state
+
+        from megatron.bridge.models.distributed import unwrap
+        from megatron.bridge.training.checkpoint import optimizer_state
+
+        saved = {}
+        if file_exists(get_checkpoint_run_config_filename(ckpt_dir)):
+            saved = (read_run_config(get_checkpoint_run_config_filename(ckpt_dir)) or {}).get("checkpoint") or {}
+        if not saved.get("save_optim", True):
+            raise TrainingExit(
+                ExitCode.NO_VALID_CHECKPOINT,
+                f"{ckpt_dir} was saved without its optimizer state (checkpoint.save_optim=false in its "
+                "run_config.yaml): a run cannot resume from it; start a new run from its weights instead",
+            )
+        metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+        if metadata is None:
+            distributed = optimizer_state.optimizer_metadata(model) is not None
+            metadata = _build_sharded_state_dict_metadata(distributed, self.cfg)
+        optimizer_state.prime_for_loading(optimizer)
+        rng = get_rng_state(False, self.cfg.ckpt_format, pg_collection=_process_groups())
+        sharded_sd = generate_state_dict(
+            self.cfg,
+            [unwrap(chunk) for chunk in model],
+            optimizer,
+            scheduler,
+            rng if saved.get("save_rng", True) else None,
+            optim_sd_kwargs={"is_loading": True, "metadata": metadata},
+            model_sd_kwargs={"metadata": metadata},
+        )
+        context = self.checkpointing_context
+        loaded, *_ = _load_base_checkpoint(
+            ckpt_dir, self.cfg, rank0=False, sharded_state_dict=sharded_sd, checkpointing_context=context
+        )
+        train_state_file = get_checkpoint_train_state_filename(ckpt_dir)
+        if file_exists(train_state_file):
+            progress = read_train_state(train_state_file)
+        else:
+            progress = _get_train_state_from_state_dict(common)
+        self.loaded_common_extra, self.loaded_rank_extra = {}, None
+        self.skipped_restores = fault_injection.skipped_restores(rank(), progress.step)
+        contents.apply_foreign_loaded(
+            loaded,
+            progress,
+            model,
+            optimizer,
+            scheduler,
+            state,
+            parallel_state.get_data_parallel_rank(with_context_parallel=True),
+            skip=self.skipped_restores,
+        )
 
     def _state_dict_to_load(
         self, common: dict, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState
     ) -> dict[str, Any]:
         """The sharded state dict to load a checkpoint with this ``common`` part into (any tier)."""
         self.loaded_common_extra = {name: common[name] for name in self._common_extra if name in common}
-        sharded_sd = contents.sharded_state_dict(model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]))
+        sharded_sd = contents.sharded_state_dict(
+            model, optimizer, scheduler, state, rng_bytes=int(common["rng_bytes"]), ckpt_cfg=self.cfg
+        )
         if int(common.get("rng_world_size", world_size())) != world_size():
             # Per-rank generator states cannot be mapped onto another world size: keep this run's fresh seeds.
             del sharded_sd["rng_state"]
@@ -524,5 +1132,239 @@ class CheckpointManager:
         progress.load_state_dict(loaded["train_state"])
         self.skipped_restores = fault_injection.skipped_restores(rank(), progress.step)
         self.loaded_rank_extra = contents.apply_loaded(
-            loaded, model, optimizer, scheduler, state, skip=self.skipped_restores
+            loaded, model, optimizer, scheduler, state, skip=self.skipped_restores, load_model=_load_model_state_dict
         )
+
+
+# ---------------------------------------------------------------------- Megatron-Bridge's save/load entry points
+
+
+def _manager_of(state: Any, checkpointing_context: Optional[dict[str, Any]]) -> CheckpointManager:
+    """The :class:`CheckpointManager` of ``checkpointing_context`` (``checkpoint_manager``), created on first use.
+
+    A new manager registers itself and its context entries in ``checkpointing_context`` and its async queue as
+    ``state.async_calls_queue``. Without a context every call builds a new manager: pass one per run.
+    """
+    context = {} if checkpointing_context is None else checkpointing_context
+    manager = context.get("checkpoint_manager")
+    if manager is None:
+        manager = CheckpointManager(state.cfg.checkpoint, run_config=state.cfg)
+        context.update(manager.checkpointing_context)
+        manager.checkpointing_context = context
+        state.async_calls_queue = manager.async_queue
+    return manager
+
+
+def save_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: int,
+    checkpointing_context: Optional[dict[str, Any]] = None,
+    pg_collection: Any = None,
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Any = None,
+    callback_manager: Any = None,
+    module_name: Optional[str] = None,
+) -> None:
+    """Save a checkpoint of ``state.train_state`` at its step: Megatron-Bridge's entry point to the run's manager.
+
+    Global (``checkpoint.save``, atomic commit, manifest, retention) or, with ``non_persistent_ckpt``, the local
+    tier. ``num_floating_point_operations_so_far`` is stored in the train state. The data position is the train
+    state's consumed samples (``train_data_iterator`` is not read); ``callback_manager``, ``pg_collection`` and
+    ``module_name`` are accepted for Megatron-Bridge's signature (saves are reported through the manager's
+    ``on_saved``).
+
+    Raises:
+        ValueError: ``non_persistent_ckpt`` with a ``non_persistent_ckpt_type`` other than ``local`` or ``global``,
+            or without the local tier configured (this package has no global non-persistent tier).
+    """
+    kind = state.cfg.checkpoint.non_persistent_ckpt_type
+    if non_persistent_ckpt and kind not in _NON_PERSISTENT_TYPES:
+        raise ValueError(f"Invalid non_persistent_ckpt_type: {kind!r}. Must be 'local' or 'global'.")
+    manager = _manager_of(state, checkpointing_context)
+    if non_persistent_ckpt and manager.local is None:
+        raise ValueError(
+            f"non_persistent_ckpt_type={kind!r}: this package keeps non-persistent checkpoints in the local tier "
+            "only; set checkpoint.non_persistent_ckpt_type='local' and checkpoint.non_persistent_local_ckpt_dir"
+        )
+    state.train_state.floating_point_operations_so_far = num_floating_point_operations_so_far
+    if non_persistent_ckpt:
+        manager.save_local(model, optimizer, opt_param_scheduler, state.train_state)
+    else:
+        manager.save(model, optimizer, opt_param_scheduler, state.train_state)
+
+
+def load_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    strict: bool = True,
+    checkpointing_context: Optional[dict[str, Any]] = None,
+    skip_load_to_model_and_opt: bool = False,
+    pg_collection: Any = None,
+    module_name: Optional[str] = None,
+) -> tuple[int, int]:
+    """Load the newest valid checkpoint into the run: Megatron-Bridge's entry point to the run's manager.
+
+    Returns ``(iteration, floating point operations so far)``; ``(0, 0)`` when there was none to load.
+    """
+    return _load_checkpoint_from_path(
+        state.cfg.checkpoint.load,
+        state,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        strict,
+        checkpointing_context,
+        skip_load_to_model_and_opt=skip_load_to_model_and_opt,
+        pg_collection=pg_collection,
+        module_name=module_name,
+    )
+
+
+def _load_checkpoint_from_path(
+    load_dir: Optional[str],
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    strict: bool = True,
+    checkpointing_context: Optional[dict[str, Any]] = None,
+    skip_load_to_model_and_opt: bool = False,
+    ignore_ckpt_step: bool = False,
+    pg_collection: Any = None,
+    module_name: Optional[str] = None,
+) -> tuple[int, int]:
+    """Load from ``load_dir`` (the run's ``checkpoint.load``) through the run's :class:`CheckpointManager`.
+
+    The manager picks the directory (``checkpoint.load``, else ``checkpoint.save``: ``checkpoint/resume.py``),
+    verifies the checkpoint against its manifest and falls back to an older one, or takes a newer local-tier one.
+
+    Raises:
+        ValueError: ``load_dir`` is not the run's ``checkpoint.load``, ``strict=False``, or
+            ``skip_load_to_model_and_opt``: this package restores whole checkpoints strictly (a model or optimizer
+            left partly unrestored must not train on silently).
+    """
+    cfg = state.cfg.checkpoint
+    if load_dir != cfg.load:
+        raise ValueError(f"this package resumes from checkpoint.load ({cfg.load}) only, not from {load_dir}")
+    if not strict or skip_load_to_model_and_opt:
+        raise ValueError(
+            "this package restores a checkpoint's model, optimizer and scheduler strictly; "
+            f"strict={strict} and skip_load_to_model_and_opt={skip_load_to_model_and_opt} are not supported"
+        )
+    manager = _manager_of(state, checkpointing_context)
+    if manager.load(model, optimizer, opt_param_scheduler, state.train_state) is None:
+        return 0, 0
+    return state.train_state.step, state.train_state.floating_point_operations_so_far
+
+
+@dataclass
+class CheckpointSaveContext:
+    """What one save needs (Megatron-Bridge's pluggable checkpoint manager API)."""
+
+    state: Any
+    """The run's ``GlobalState`` (config, train state)."""
+    model: list[torch.nn.Module]
+    """The model chunks."""
+    optimizer: Any
+    """The optimizer (``None``: none to save)."""
+    opt_param_scheduler: Any
+    """The learning-rate scheduler."""
+    num_floating_point_operations_so_far: int
+    """Model FLOPs of the run so far."""
+    train_data_iterator: Any = None
+    """The training data iterator."""
+    non_persistent_ckpt: bool = False
+    """Save into the non-persistent (local) tier."""
+    pg_collection: Any = None
+    """The process groups (megatron-core's ``ProcessGroupCollection``)."""
+    module_name: Optional[str] = None
+    """The module's name when several models share a run."""
+
+
+@dataclass
+class CheckpointLoadContext:
+    """What one load needs (Megatron-Bridge's pluggable checkpoint manager API)."""
+
+    state: Any
+    """The run's ``GlobalState``."""
+    model: list[torch.nn.Module]
+    """The model chunks to load into."""
+    optimizer: Any
+    """The optimizer to load into."""
+    opt_param_scheduler: Any
+    """The learning-rate scheduler to load into."""
+    strict: bool = True
+    """Model keys must match exactly."""
+    skip_load_to_model_and_opt: bool = False
+    """Read metadata only, leave model and optimizer as they are."""
+    pg_collection: Any = None
+    """The process groups (megatron-core's ``ProcessGroupCollection``)."""
+    module_name: Optional[str] = None
+    """The module's name when several models share a run."""
+
+
+class DefaultCheckpointManager:
+    """Megatron-Bridge's default pluggable checkpoint manager.
+
+    :func:`save_checkpoint`, :func:`load_checkpoint` and :func:`maybe_finalize_async_save` over one checkpointing
+    context, which holds the run's :class:`CheckpointManager` once the first save or load ran.
+    """
+
+    def __init__(self, checkpoint_config: CheckpointConfig) -> None:
+        self.checkpoint_config = checkpoint_config
+        self._context: dict[str, Any] = init_checkpointing_context(checkpoint_config)
+
+    @property
+    def checkpointing_context(self) -> dict[str, Any]:
+        """The context passed to every save and load (see :func:`init_checkpointing_context`)."""
+        return self._context
+
+    def save(self, ctx: CheckpointSaveContext, callback_manager: Any) -> None:
+        """Save with :func:`save_checkpoint`."""
+        save_checkpoint(
+            state=ctx.state,
+            model=ctx.model,
+            optimizer=ctx.optimizer,
+            opt_param_scheduler=ctx.opt_param_scheduler,
+            num_floating_point_operations_so_far=ctx.num_floating_point_operations_so_far,
+            checkpointing_context=self._context,
+            non_persistent_ckpt=ctx.non_persistent_ckpt,
+            train_data_iterator=ctx.train_data_iterator,
+            pg_collection=ctx.pg_collection,
+            callback_manager=callback_manager,
+            module_name=ctx.module_name,
+        )
+
+    def load(self, ctx: CheckpointLoadContext) -> tuple[int, int]:
+        """Load with :func:`load_checkpoint`; ``(iteration, floating point operations so far)``."""
+        return load_checkpoint(
+            state=ctx.state,
+            model=ctx.model,
+            optimizer=ctx.optimizer,
+            opt_param_scheduler=ctx.opt_param_scheduler,
+            strict=ctx.strict,
+            checkpointing_context=self._context,
+            skip_load_to_model_and_opt=ctx.skip_load_to_model_and_opt,
+            pg_collection=ctx.pg_collection,
+            module_name=ctx.module_name,
+        )
+
+    def finalize_async_saves(self, state: Any, blocking: bool = False, terminate: bool = False) -> None:
+        """Commit the finished asynchronous saves (all of them: ``blocking``) with :func:`maybe_finalize_async_save`."""
+        maybe_finalize_async_save(
+            global_state=state, ckpt_cfg=self.checkpoint_config, blocking=blocking, terminate=terminate
+        )
+
+
+def create_checkpoint_manager(checkpoint_config: CheckpointConfig) -> DefaultCheckpointManager:
+    """The checkpoint manager for ``checkpoint_config``: a :class:`DefaultCheckpointManager`.
+
+    Megatron-Bridge's ``checkpoint.custom_manager_class`` (a class imported by name from the config) is not
+    offered by this package: its managers are this module's.
+    """
+    return DefaultCheckpointManager(checkpoint_config)

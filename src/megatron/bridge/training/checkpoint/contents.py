@@ -6,13 +6,15 @@ continue bit-identically. The sharded state dict is built the same way for savin
 (``checkpointing.py``, ``local_tier.py``) agree on it.
 """
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Optional
 
 import torch
 
 from megatron.bridge.models.distributed import unwrap
 from megatron.bridge.training.checkpoint import optimizer_state
+from megatron.bridge.training.checkpoint.state_dict import generate_state_dict, safe_rng_state
+from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.rng import (
     get_rng_state,
@@ -54,8 +56,14 @@ def sharded_state_dict(
     rng_bytes: Optional[int] = None,
     rank_extra: Optional[dict] = None,
     common_extra: Optional[dict[str, Any]] = None,
+    ckpt_cfg: Optional[CheckpointConfig] = None,
+    generator_states: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds; ``rng_bytes`` is ``None`` when saving and the stored blob length when loading.
+
+    Model, optimizer, scheduler and RNG entries come from Megatron-Bridge's ``generate_state_dict`` (``ckpt_cfg``:
+    the run's checkpoint config; defaults when ``None``). ``generator_states``: this rank's generator states as
+    ``checkpointing.get_rng_state`` collects them (collected here when ``None``).
 
     RNG states differ per rank, so each rank stores its own as one row of a ``(world, rng_bytes)`` uint8 tensor
     (a tensor, unlike a pickled object, loads without unpickling arbitrary code). ``rank_extra`` (plain values, per
@@ -68,27 +76,28 @@ def sharded_state_dict(
     if is_loading:
         rng_row = torch.zeros(rng_bytes, dtype=torch.uint8)
     else:
-        payload = serialize_rng_state({**get_rng_state(), RANK_EXTRA_KEY: rank_extra})
+        generators = get_rng_state() if generator_states is None else safe_rng_state(generator_states)
+        payload = serialize_rng_state({**generators, RANK_EXTRA_KEY: rank_extra})
         rng_bytes = max(all_gather_object(rng_blob_length(payload)))
         rng_row = rng_blob_to_tensor(payload, rng_bytes)
-    model_sd = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(model_state_keys(model), model)}
     if is_loading:
         optimizer_state.prime_for_loading(optimizer)
+    parts = generate_state_dict(
+        ckpt_cfg if ckpt_cfg is not None else CheckpointConfig(),
+        [unwrap(chunk) for chunk in model],
+        optimizer,
+        scheduler,
+        ShardedTensor.from_rank_offsets("rng_state", rng_row.unsqueeze(0), (0, rank(), world_size()), replica_id=0),
+        optim_sd_kwargs={"is_loading": is_loading, "metadata": optimizer_state.optimizer_metadata(model)},
+    )
     return {
         **(common_extra or {}),
-        "checkpoint_version": CHECKPOINT_VERSION,
+        **parts,
+        "checkpoint_version": CHECKPOINT_VERSION,  # this package's layout, not Megatron-LM's 3.0
         WRITER_KEY: CHECKPOINT_VERSION,
-        **model_sd,
-        "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=optimizer_state.optimizer_metadata(model)
-        ),
-        "opt_param_scheduler": scheduler.state_dict(),
         "train_state": state.state_dict(),
         "rng_bytes": rng_bytes,
         "rng_world_size": world_size(),
-        "rng_state": ShardedTensor.from_rank_offsets(
-            "rng_state", rng_row.unsqueeze(0), (0, rank(), world_size()), replica_id=0
-        ),
     }
 
 
@@ -104,8 +113,12 @@ def apply_loaded(
     scheduler: Any,
     state: TrainState,
     skip: Collection[str] = (),
+    load_model: Optional[Callable[[torch.nn.Module, dict, bool], None]] = None,
 ) -> Optional[dict]:
     """Put a loaded checkpoint into the run; return this rank's extra state (``None`` when RNG states were not loaded).
+
+    ``load_model(module, state_dict, strict)`` loads each model chunk (strictly); ``module.load_state_dict`` when
+    ``None``.
 
     ``skip``: parts left as they are, on purpose (fault injection's ``skip_restore``): ``"optimizer"``, ``"rng"``
     (the generators; the extra state is restored).
@@ -115,7 +128,10 @@ def apply_loaded(
             neither scheduler override is set.
     """
     for key, chunk in zip(model_state_keys(model), model):
-        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if load_model is None:
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        else:
+            load_model(unwrap(chunk), loaded[key], True)
     if "optimizer" not in skip:
         with torch.no_grad():  # fp32 parameters are the distributed optimizer's main params: views of model leaves
             optimizer.load_state_dict(loaded["optimizer"])

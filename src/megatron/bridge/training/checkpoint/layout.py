@@ -268,3 +268,24 @@ def apply_retention(root: str, keep: int, protect: set[int], retain_interval: Op
         logger.info("retention (most_recent_k=%d): deleted checkpoints at iterations %s", keep, deleted)
     return deleted
 
+
+def remove_checkpoints(root: str, iterations: list[int], background: bool = False) -> None:
+    """Delete the committed checkpoints of ``iterations`` in ``root`` (in a daemon thread with ``background``).
+
+    Each ``iter_N`` is renamed to ``.deleting_iter_N`` first (as :func:`apply_retention` does), so a crash
+    mid-delete never leaves a partial ``iter_N`` behind; :func:`recover` finishes an interrupted deletion.
+    """
+    doomed = []
+    for iteration in iterations:
+        path = os.path.join(root, f".deleting_iter_{iteration:07d}")
+        os.rename(iter_dir(root, iteration), path)
+        doomed.append(path)
+
+    def delete() -> None:
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+
+    if background:
+        threading.Thread(target=delete, name="ckpt-retention", daemon=True).start()
+    else:
+        delete()
