@@ -103,3 +103,23 @@ def test_megatron_bridges_async_save_functions_use_the_runs_queue():
     maybe_finalize_async_save(state, CheckpointConfig(save="/c", async_save=True), blocking=True, terminate=True)
     assert calls == [("schedule", "R1"), ("finalize", True), ("close",)]
     assert state.async_calls_queue is None
+
+
+def test_a_restart_closes_the_writer_clears_the_loops_model_callbacks_and_keeps_the_async_queue(tmp_path):
+    from types import SimpleNamespace
+
+    cfg = base_config()
+    cfg.logger.tensorboard_dir = str(tmp_path / "tb")
+    cfg.model.finalize_model_grads_func = print  # bound by the loop to one iteration's model
+    state = GlobalState()
+    state.cfg = cfg
+    writer = state.tensorboard_logger  # one process: it is the last rank
+    assert writer is state.tensorboard_logger and state.timers is state.timers
+    state.async_calls_queue = queue = SimpleNamespace()
+    state.reset_for_restart()
+    assert writer.file_writer is None  # closed
+    assert state.async_calls_queue is queue and cfg.model.finalize_model_grads_func is None
+    assert state.tensorboard_logger is not writer
+    state.reset_for_restart()
+    GlobalState.__init__(state)  # a second __init__ keeps what the state holds
+    assert state.cfg is cfg
