@@ -22,7 +22,12 @@ from megatron.bridge.training.callbacks import (
     should_fire,
 )
 from megatron.bridge.training.checkpointing import CheckpointManager, CheckpointType
-from megatron.bridge.training.config import ConfigContainer, NVRxStragglerDetectionConfig, is_enabled
+from megatron.bridge.training.config import (
+    ConfigContainer,
+    NVRxStragglerDetectionConfig,
+    is_enabled,
+    runtime_config_update,
+)
 from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.eval import evaluate
 from megatron.bridge.training.event_recorder import EventRecorder
@@ -93,7 +98,7 @@ def pretrain(
         TrainingExit: training could not start or had to stop early (e.g. no valid checkpoint, or in-process
             restart gave up).
     """
-    config.validate()
+    runtime_config_update(config)  # env_vars, derived fields, validation
     state = GlobalState()
     state.cfg = config
     manager = normalize_callbacks(callbacks)
