@@ -22,8 +22,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -36,6 +34,12 @@ from megatron.core.utils import get_pg_size
 
 from megatron.bridge.training import event_stream, fault_injection
 from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, storage
+from megatron.bridge.training.checkpoint.contexts import CheckpointLoadContext, CheckpointSaveContext
+from megatron.bridge.training.checkpoint.discovery import (  # noqa: F401 - Megatron-Bridge's names, re-exported
+    _get_checkpoint_format,
+    _has_global_non_persistent_checkpoint,
+    cleanup_old_non_persistent_checkpoint,
+)
 from megatron.bridge.training.checkpoint.local_tier import LocalTier, local_tier_of
 from megatron.bridge.training.checkpoint.resume import resolve_resume_path
 from megatron.bridge.training.checkpoint.run_config import to_plain
@@ -168,19 +172,6 @@ def find_checkpoint_rank_0(checkpoints_path: str, iteration: int, release: bool 
     """The directory of the checkpoint of ``iteration`` if it is a ``torch_dist`` checkpoint, else ``None``."""
     checkpoint_dir = get_checkpoint_name(checkpoints_path, iteration, release=release)
     return checkpoint_dir if dist_checkpointing.check_is_distributed_checkpoint(checkpoint_dir) else None
-
-
-def _get_checkpoint_format(checkpoint_path: str) -> str:
-    """The format of the checkpoint in ``checkpoint_path``: ``torch_dist`` or ``fsdp_dtensor`` (PyTorch DCP).
-
-    Raises:
-        NotImplementedError: neither.
-    """
-    if dist_checkpointing.check_is_distributed_checkpoint(checkpoint_path):
-        return "torch_dist"
-    if os.path.exists(os.path.join(checkpoint_path, ".metadata")):
-        return "fsdp_dtensor"
-    raise NotImplementedError(f"Unknown checkpoint format in {checkpoint_path}")
 
 
 def get_rng_state(
@@ -328,21 +319,6 @@ def _get_non_persistent_iteration(
     return read_train_state(tracker).step
 
 
-def _has_global_non_persistent_checkpoint(load_dir: Optional[str], ckpt_cfg: CheckpointConfig) -> bool:
-    """Whether a global non-persistent checkpoint exists.
-
-    It is looked for in ``non_persistent_global_ckpt_dir``, else in ``<save or load>/non_persistent``; always
-    ``False`` unless ``non_persistent_ckpt_type="global"``.
-    """
-    if ckpt_cfg.non_persistent_ckpt_type != "global":
-        return False
-    if ckpt_cfg.non_persistent_global_ckpt_dir:
-        candidates = [ckpt_cfg.non_persistent_global_ckpt_dir]
-    else:
-        candidates = [os.path.join(root, "non_persistent") for root in (ckpt_cfg.save, load_dir) if root]
-    return any(checkpoint_exists(path) for path in candidates)
-
-
 def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str, Any]:
     """The context shared by the saves and loads of a run (load strategy, local checkpoint manager, the manager).
 
@@ -359,30 +335,6 @@ def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str,
             "package, which is not installed: install it or unset checkpoint.non_persistent_ckpt_type"
         )
     return {}
-
-
-def cleanup_old_non_persistent_checkpoint(
-    save_dir: str, leave_ckpt_num: int = 1, do_async: bool = False, *, max_iteration: Optional[int] = None
-) -> None:
-    """Delete the ``iter_*`` checkpoints of ``save_dir`` but the newest ``leave_ckpt_num`` (rank 0 only).
-
-    ``max_iteration``: newer directories (a save still in progress) are left alone. Each checkpoint is renamed
-    before it is deleted, so a crash never leaves a half-deleted ``iter_*`` that looks loadable
-    (``checkpoint/layout.py``); ``do_async`` deletes in a background thread.
-    """
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return
-    found = []
-    for path in Path(save_dir).glob("iter_*"):
-        suffix = path.name[len("iter_") :]
-        if suffix.isdigit() and (max_iteration is None or int(suffix) <= max_iteration):
-            found.append(int(suffix))
-    found.sort()
-    doomed = found[:-leave_ckpt_num] if leave_ckpt_num > 0 else found
-    if not doomed:
-        return
-    print_rank_0(f"Non-persistent checkpoints scheduled for removal: {doomed}; kept: {found[len(doomed) :]}")
-    layout.remove_checkpoints(save_dir, doomed, background=do_async)
 
 
 def _load_global_dist_base_checkpoint(
@@ -1260,52 +1212,6 @@ def _load_checkpoint_from_path(
     if manager.load(model, optimizer, opt_param_scheduler, state.train_state) is None:
         return 0, 0
     return state.train_state.step, state.train_state.floating_point_operations_so_far
-
-
-@dataclass
-class CheckpointSaveContext:
-    """What one save needs (Megatron-Bridge's pluggable checkpoint manager API)."""
-
-    state: Any
-    """The run's ``GlobalState`` (config, train state)."""
-    model: list[torch.nn.Module]
-    """The model chunks."""
-    optimizer: Any
-    """The optimizer (``None``: none to save)."""
-    opt_param_scheduler: Any
-    """The learning-rate scheduler."""
-    num_floating_point_operations_so_far: int
-    """Model FLOPs of the run so far."""
-    train_data_iterator: Any = None
-    """The training data iterator."""
-    non_persistent_ckpt: bool = False
-    """Save into the non-persistent (local) tier."""
-    pg_collection: Any = None
-    """The process groups (megatron-core's ``ProcessGroupCollection``)."""
-    module_name: Optional[str] = None
-    """The module's name when several models share a run."""
-
-
-@dataclass
-class CheckpointLoadContext:
-    """What one load needs (Megatron-Bridge's pluggable checkpoint manager API)."""
-
-    state: Any
-    """The run's ``GlobalState``."""
-    model: list[torch.nn.Module]
-    """The model chunks to load into."""
-    optimizer: Any
-    """The optimizer to load into."""
-    opt_param_scheduler: Any
-    """The learning-rate scheduler to load into."""
-    strict: bool = True
-    """Model keys must match exactly."""
-    skip_load_to_model_and_opt: bool = False
-    """Read metadata only, leave model and optimizer as they are."""
-    pg_collection: Any = None
-    """The process groups (megatron-core's ``ProcessGroupCollection``)."""
-    module_name: Optional[str] = None
-    """The module's name when several models share a run."""
 
 
 class DefaultCheckpointManager:
