@@ -222,6 +222,12 @@ CHECKS: dict[str, tuple[str, ...]] = {
         "OK     runs/main_job/checkpoints/iter_0000100 (… files)",
     ),
     # Lines the main job cannot print: each from the functional test whose run prints it.
+    "tests/functional_tests/test_upstream_checkpoint.py::test_megatron_bridge_checkpoint_resumes_bit_identically": (
+        "checkpoint …/iter_0000006 was not written by this package and has no manifest.json: the sizes and SHA-256 "
+        "hashes of its … files (.metadata, __0_0.distcp, …) cannot be verified, so a truncated or corrupted file is "
+        "not detected before the load; loading it unverified",
+        "successfully loaded unverified checkpoint …/iter_0000006 at iteration 6",
+    ),
     f"{_TRAINING}/test_fault_tolerance.py::test_fault_detected_restarted_resumed_identical": (  # the hang in a step
         "[RankMonServer…] Section 'step' has been open for … seconds. Timeout is … seconds.",  # nvrx < 0.6
         "[RankMonServer…] Section 'step' has been open for …",

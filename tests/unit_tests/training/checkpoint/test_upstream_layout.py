@@ -3,6 +3,7 @@
 import dataclasses
 import enum
 import os
+import signal
 
 import torch
 import yaml
@@ -103,6 +104,7 @@ class _Outer:
     init: object = torch.nn.init.normal_
     sizes: tuple = (1, 2)
     path: object = None
+    signal: object = signal.SIGTERM
 
 
 def test_run_config_is_plain_yaml_with_targets():
@@ -113,9 +115,50 @@ def test_run_config_is_plain_yaml_with_targets():
     assert plain["inner"]["colour"] == "red"
     assert plain["init"] == {"_target_": "torch.nn.init.normal_", "_call_": False}
     assert plain["sizes"] == [1, 2] and plain["path"] is None
+    assert plain["signal"] == 15 and type(plain["signal"]) is int
 
 
 def test_own_checkpoints_are_told_from_foreign_ones():
     assert contents.written_here({contents.WRITER_KEY: 1})
     assert contents.written_here({"rng_bytes": 100, "checkpoint_version": 1})  # saved before the marker existed
     assert not contents.written_here({"checkpoint_version": 3.0, "iteration": 6, "opt_param_scheduler": {}})
+
+
+def _checkpoint_with_common(path, common: dict, with_manifest: bool = False) -> str:
+    os.makedirs(path)
+    with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
+        f.write(b"shard")
+    torch.save(common, os.path.join(path, "common.pt"))
+    if with_manifest:
+        manifest.write_manifest(str(path), 6, manifest.hash_share(str(path), manifest.list_files(str(path)), 0, 1))
+    return str(path)
+
+
+def _read_common(monkeypatch):
+    from megatron.bridge.training import checkpointing
+
+    def load_common_state_dict(ckpt_dir):
+        return torch.load(os.path.join(ckpt_dir, "common.pt"), weights_only=False)
+
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "load_common_state_dict", load_common_state_dict)
+    return checkpointing._foreign_without_manifest
+
+
+def test_only_a_foreign_checkpoint_without_manifest_loads_unverified(tmp_path, monkeypatch):
+    foreign_without_manifest = _read_common(monkeypatch)
+    theirs = _checkpoint_with_common(tmp_path / "theirs", {"checkpoint_version": 3.0, "iteration": 6})
+    warning = foreign_without_manifest(theirs)
+    assert "was not written by this package and has no manifest.json" in warning
+    assert "2 files (__0_0.distcp, common.pt)" in warning and "unverified" in warning
+    # Ours without its manifest is damaged, never foreign: verification runs and reports the missing manifest.
+    ours = _checkpoint_with_common(tmp_path / "ours", {contents.WRITER_KEY: 1, "rng_bytes": 10})
+    assert foreign_without_manifest(ours) is None
+    assert manifest.verify_dir(ours) == [f"{ours}/manifest.json is missing"]
+    older_ours = _checkpoint_with_common(tmp_path / "older", {"checkpoint_version": 1, "rng_bytes": 10})
+    assert foreign_without_manifest(older_ours) is None
+    # A manifest is verified wherever it comes from.
+    with_manifest = _checkpoint_with_common(tmp_path / "manifested", {"iteration": 6}, with_manifest=True)
+    assert foreign_without_manifest(with_manifest) is None
+    # An unreadable common part is damage too.
+    os.remove(os.path.join(theirs, "common.pt"))
+    assert foreign_without_manifest(theirs) is None
