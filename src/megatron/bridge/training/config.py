@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from megatron.bridge.training import section_checks
+from megatron.bridge.training.cross_checks import (
+    validate_precision_consistency as _validate_mixed_precision_consistency,
+)
 from megatron.bridge.training.resiliency_config import (
     INPROCESS_STORE_PORT_OFFSET,
     FaultInjectionConfig,
@@ -265,10 +268,10 @@ class SchedulerConfig:
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
     """How the weight decay moves from start to end."""
     max_steps: Optional[int] = None
-    """Length in iterations of the full run whose schedules a shorter run follows: with ``train.train_iters=x`` and
-    ``max_steps=y`` (``y >= x``) the run takes the first ``x`` steps of the ``y``-step run's learning-rate and
-    weight-decay schedules (``lr_decay_iters`` becomes ``y``). Iteration-based runs only; ``None``: the schedules
-    span ``train_iters``."""
+    """Length in iterations of the full run whose schedules a shorter run follows (at least ``train.train_iters``):
+    the run takes the first ``train_iters`` steps of the longer run's learning-rate and weight-decay schedules
+    (``lr_decay_iters`` becomes ``max_steps``). Iteration-based runs only; ``None``: the schedules span
+    ``train_iters``."""
     lr_warmup_steps: Optional[int] = field(default=None, init=False)
     """Warmup length in samples, computed by ``validate()``."""
     lr_decay_steps: Optional[int] = field(default=None, init=False)
@@ -652,33 +655,3 @@ def _validate_and_sync_distributed_optimizer_settings(config: ConfigContainer) -
                 )
             setattr(config.ddp, name, True)
             setattr(config.optimizer, name, True)
-
-
-def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
-    """The model's and the optimizer's precision flags do not contradict each other (Megatron-Bridge's check)."""
-    from megatron.bridge.utils.fields import fail
-
-    m, o = config.model, config.optimizer
-    for section, obj in (("model", m), ("optimizer", o)):
-        if obj.bf16 and obj.fp16:
-            fail(
-                f"{section}.fp16",
-                f"{section.capitalize()} config cannot have both bf16=True and fp16=True",
-                "Please set only one precision mode",
-            )
-    if not o.use_precision_aware_optimizer:
-        return
-    for flag in ("bf16", "fp16"):
-        if getattr(m, flag) and not getattr(o, flag):
-            fail(
-                f"optimizer.{flag}",
-                f"optimizer.{flag}=True must be set when model.{flag}=True and use_precision_aware_optimizer=True",
-                f"set optimizer.{flag}=True",
-            )
-    if not (m.bf16 or m.fp16) and (o.bf16 or o.fp16):
-        fail(
-            "optimizer.bf16" if o.bf16 else "optimizer.fp16",
-            "optimizer.bf16 and optimizer.fp16 must both be False when model is using fp32 precision "
-            "(model.bf16=False, model.fp16=False) and use_precision_aware_optimizer=True",
-            "set both to False, or train the model in that precision",
-        )

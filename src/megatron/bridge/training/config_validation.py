@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron.bridge.training.checkpoint.validation import validate_checkpoint
+from megatron.bridge.training.cross_checks import validate_evaluation_batches, validate_schedule
 from megatron.bridge.training.event_stream import directory_problem, resolve_directory
 from megatron.bridge.training.field_support import refused_fields
 from megatron.bridge.training.resiliency_validation import validate_resiliency
@@ -82,10 +83,10 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     _validate_deterministic_mode(cfg.model)
     _validate_train(cfg, training_ranks)
     _validate_optimizer(cfg)
-    _validate_scheduler(cfg)
+    validate_schedule(cfg)
     if cfg.train.train_iters < 1:  # after the schedule, whose length check names the default decay's cause first
         _fail("train.train_iters", f"must be >= 1, got {cfg.train.train_iters}", "set the number of optimizer steps")
-    _validate_validation(cfg, training_ranks)
+    validate_evaluation_batches(cfg, data_parallel_size(cfg.model, training_ranks))
     _validate_dataset(cfg)
     validate_checkpoint(cfg.checkpoint, world_size)
     _validate_runtime(cfg)
@@ -468,141 +469,6 @@ def _validate_optimizer(cfg: ConfigContainer) -> None:
         _fail("optimizer.clip_grad", f"must be >= 0, got {o.clip_grad}", "use 0 to disable clipping")
     if o.weight_decay < 0:
         _fail("optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}", "use a non-negative value")
-
-
-def _validate_scheduler(cfg: ConfigContainer) -> None:
-    """The schedule against the run's length; fill its lengths in samples (``lr_warmup_steps``, ...).
-
-    As in Megatron-Bridge: an iteration-based run counts the schedule in iterations and a sample-based one in
-    samples; ``lr_decay_iters`` defaults to ``scheduler.max_steps`` or ``train.train_iters``; a warmup as long as
-    the decay is shortened to one step less, with a warning.
-    """
-    s, t, o = cfg.scheduler, cfg.train, cfg.optimizer
-    gbs = t.global_batch_size
-    for name in s.derived:  # fields an earlier validate() filled in are derived again
-        setattr(s, name, None)
-    s.derived.clear()
-    if t.train_samples is not None:
-        if s.max_steps is not None:
-            _fail(
-                "scheduler.max_steps",
-                "scheduler.max_steps is only supported for iteration-based training",
-                "use the sample-based scheduler fields with train.train_samples",
-            )
-        for name, instead in (("lr_decay_iters", "lr_decay_samples"), ("lr_warmup_iters", "lr_warmup_samples")):
-            if getattr(s, name):
-                _fail(
-                    f"scheduler.{name}",
-                    f"Use {instead} for sample-based training, not {name}",
-                    f"set scheduler.{instead}",
-                )
-        if s.lr_decay_samples is None:
-            s.lr_decay_samples = t.train_samples
-            s.derived.add("lr_decay_samples")
-        decay = s.lr_decay_samples
-        s.wd_incr_steps = t.train_samples
-        s.wsd_decay_steps = s.lr_wsd_decay_samples
-        warmup = s.lr_warmup_samples
-    else:
-        for name, instead in (("lr_decay_samples", "lr_decay_iters"), ("lr_warmup_samples", "lr_warmup_iters")):
-            if getattr(s, name):
-                _fail(
-                    f"scheduler.{name}",
-                    f"Use {instead} for iteration-based training, not {name}",
-                    f"set scheduler.{instead}",
-                )
-        if s.max_steps is not None:
-            if s.max_steps < t.train_iters:
-                _fail(
-                    "scheduler.max_steps",
-                    f"scheduler.max_steps ({s.max_steps}) must be greater than or equal to train.train_iters "
-                    f"({t.train_iters})",
-                    "give the full run's length, or leave it null",
-                )
-            if s.lr_decay_iters is not None and s.lr_decay_iters != s.max_steps:
-                _fail(
-                    "scheduler.lr_decay_iters",
-                    f"{s.lr_decay_iters} differs from scheduler.max_steps={s.max_steps}, which sets it",
-                    "leave scheduler.lr_decay_iters null",
-                )
-        if s.lr_decay_iters is None:
-            s.lr_decay_iters = s.max_steps if s.max_steps is not None else t.train_iters
-            s.derived.add("lr_decay_iters")
-        if s.lr_wsd_decay_iters is None and s.lr_decay_style == "WSD":
-            s.lr_wsd_decay_iters = s.lr_decay_iters
-            s.derived.add("lr_wsd_decay_iters")
-        decay = s.lr_decay_iters * gbs
-        s.wd_incr_steps = (s.max_steps or t.train_iters) * gbs
-        s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters is not None else None
-        warmup = s.lr_warmup_iters * gbs
-    if s.lr_warmup_fraction is not None:
-        warmup = s.lr_warmup_fraction * decay
-    if decay <= 0:
-        by_samples = t.train_samples is not None
-        name = "lr_decay_samples" if by_samples else "lr_decay_iters"
-        if name in s.derived:  # the default decay: the run's own length is what is wrong
-            name = "train.train_samples" if by_samples else "train.train_iters"
-            name = "scheduler.max_steps" if s.max_steps and not by_samples else name
-        else:
-            name = f"scheduler.{name}"
-        _fail(
-            name,
-            f"lr_decay_steps must be > 0, got {decay} (the decay length in samples)",
-            "increase train.train_iters/train_samples or scheduler.lr_decay_iters/lr_decay_samples",
-        )
-    if warmup >= decay:
-        warnings.warn(
-            f"lr_warmup_steps ({warmup}) >= lr_decay_steps ({decay}); capping lr_warmup_steps to {decay - 1}. "
-            "Reduce scheduler.lr_warmup_iters (or lr_warmup_samples) for short training runs.",
-            UserWarning,
-            stacklevel=2,
-        )
-        warmup = decay - 1
-    if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
-        _fail("scheduler.lr_wsd_decay_samples", "a WSD schedule needs its final anneal's length", "set it")
-    if not 0.0 <= s.lr_warmup_init <= o.lr:
-        _fail("scheduler.lr_warmup_init", f"must be in [0, optimizer.lr={o.lr}], got {s.lr_warmup_init}", "lower it")
-    start = s.start_weight_decay if s.start_weight_decay is not None else o.weight_decay
-    end = s.end_weight_decay if s.end_weight_decay is not None else o.weight_decay
-    if not 0.0 <= start <= end:
-        _fail(
-            "scheduler.end_weight_decay",
-            f"the weight decay must go from start {start} >= 0 up to end {end}",
-            "set scheduler.start_weight_decay <= scheduler.end_weight_decay",
-        )
-    s.lr_warmup_steps, s.lr_decay_steps = warmup, decay
-
-
-def _validate_validation(cfg: ConfigContainer, world_size: int) -> None:
-    v, t = cfg.validation, cfg.train
-    batch_sizes = (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size))
-    for name, train_value in batch_sizes:
-        if getattr(v, name) is None or name in v.derived:  # as in Megatron-Bridge: training's, when not given
-            setattr(v, name, train_value)
-            v.derived.add(name)
-    dp = data_parallel_size(cfg.model, world_size)
-    eval_dp = v.eval_micro_batch_size * dp
-    if v.eval_micro_batch_size < 1 or v.eval_global_batch_size % eval_dp:
-        _fail(
-            "validation.eval_global_batch_size",
-            f"eval_global_batch_size ({v.eval_global_batch_size}) must be divisible by eval_micro_batch_size * "
-            f"eval_data_parallel_size ({v.eval_micro_batch_size} * {dp} = {eval_dp})",
-            f"use a multiple of {eval_dp}",
-        )
-    for name, train_value in batch_sizes:
-        if getattr(v, name) != train_value:
-            _fail(
-                f"validation.{name}",
-                f"{getattr(v, name)} differs from the training value {train_value}: evaluation here runs with the "
-                "training batch sizes, so another value would be silently ignored",
-                "leave it null (the training value)",
-            )
-    if (v.eval_iters is None or v.eval_iters < 1) and (v.eval_interval is not None or v.skip_train):
-        _fail(
-            "validation.eval_iters", f"must be >= 1 to evaluate, got {v.eval_iters}", "set a positive number of steps"
-        )
-    if v.eval_interval is not None and v.eval_interval < 1:
-        _fail("validation.eval_interval", f"must be >= 1 or None, got {v.eval_interval}", "use null to never evaluate")
 
 
 def _validate_runtime(cfg: ConfigContainer) -> None:
