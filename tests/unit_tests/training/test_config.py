@@ -93,7 +93,8 @@ INVALID = [
     (["optimizer.weight_decay=-1"], 1, "optimizer.weight_decay"),
     (["scheduler.lr_decay_style=step"], 1, "scheduler.lr_decay_style"),
     (["scheduler.max_steps=0"], 1, "scheduler.max_steps"),
-    (["validation.eval_micro_batch_size=1"], 1, "validation.eval_micro_batch_size"),
+    (["validation.eval_micro_batch_size=0"], 1, "validation.eval_micro_batch_size"),
+    (["validation.eval_micro_batch_size=3"], 1, "validation.eval_global_batch_size"),
     (["checkpoint.ckpt_format=zarr"], 1, "checkpoint.ckpt_format"),
     (["checkpoint.save=/tmp/x", "checkpoint.save_interval=0"], 1, "checkpoint.save_interval"),
     (["checkpoint.save_interval=5"], 1, "checkpoint.save_interval"),
@@ -630,3 +631,30 @@ def test_a_dataset_provider_builds_the_splits_the_loader_reads(tmp_path):
     )
     assert valid is None and test is None and seen[0].train_samples == 4
     assert next(train)["tokens"][:, 0].tolist() == [0, 1]
+
+
+def test_evaluation_batch_sizes_default_to_training_and_reach_the_validation_loader():
+    from megatron.bridge.data.builders import build_train_valid_test_data_iterators
+    from megatron.bridge.data.tokenization import build_tokenizer
+
+    cfg = base_config()
+    cfg.validate(world_size=2)
+    assert (cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size) == (8, 2)
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 16, 4  # defaults follow the training values
+    cfg.validate(world_size=2)
+    assert (cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size) == (16, 4)
+    cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size = 4, 1
+    cfg.validate(world_size=2)
+    assert (cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size) == (4, 1)
+    train, valid, _ = build_train_valid_test_data_iterators(
+        cfg.dataset,
+        build_tokenizer(cfg.tokenizer),
+        train_samples=16,
+        valid_samples=4,
+        test_samples=0,
+        micro_batch_size=cfg.train.micro_batch_size,
+        eval_micro_batch_size=cfg.validation.eval_micro_batch_size,
+        dp_rank=0,
+        dp_size=2,
+    )
+    assert next(train)["tokens"].shape[0] == 4 and next(valid)["tokens"].shape[0] == 1

@@ -238,6 +238,7 @@ def build_train_valid_test_data_iterators(
     consumed_train_samples: int = 0,
     consumed_valid_samples: int = 0,
     worker_init_fn: Optional[Callable[[int], None]] = None,
+    eval_micro_batch_size: Optional[int] = None,
 ) -> tuple[Optional[DataIterator], Optional[DataIterator], Optional[DataIterator]]:
     """The train, validation and test iterators of this data-parallel rank; ``None`` for a split needing 0 samples.
 
@@ -255,6 +256,8 @@ def build_train_valid_test_data_iterators(
         consumed_train_samples: where the training iterator starts (a resumed run's count).
         consumed_valid_samples: where the validation iterator starts.
         worker_init_fn: run in each loader worker at its start.
+        eval_micro_batch_size: rows per batch of the validation and test iterators (``validation.
+            eval_micro_batch_size``); ``None``: ``micro_batch_size``.
 
     Loader settings (``num_workers``, ``pin_memory``, ``persistent_workers``) come from ``dataset_cfg``; the
     test iterator starts at 0.
@@ -268,28 +271,33 @@ def build_train_valid_test_data_iterators(
         "persistent_workers": dataset_cfg.persistent_workers,
         "worker_init_fn": worker_init_fn,
     }
+    rows = (micro_batch_size, eval_micro_batch_size or micro_batch_size, eval_micro_batch_size or micro_batch_size)
+
+    def split_loader(i: int) -> dict:
+        return {**loader, "micro_batch_size": rows[i]}
+
     seed = getattr(dataset_cfg, "random_seed", 0)  # a DatasetProvider need not have one
     starts = (consumed_train_samples, consumed_valid_samples, 0)
     wanted = (train_samples, valid_samples, test_samples)
     if isinstance(dataset_cfg, DatasetProvider):  # a custom provider builds its splits; read like ours
         datasets = dataset_cfg.build_datasets(DatasetBuildContext(*wanted, tokenizer=tokenizer))
         return tuple(  # type: ignore[return-value]
-            build_data_iterator(dataset, seed=seed + i, consumed_samples=start, split=name, **loader)
+            build_data_iterator(dataset, seed=seed + i, consumed_samples=start, split=name, **split_loader(i))
             if count > 0 and dataset is not None
             else None
             for i, (name, dataset, count, start) in enumerate(zip(SPLITS, datasets, wanted, starts))
         )
     if is_mock(dataset_cfg):
         stream = functools.partial(
-            mock.build_data_iterator, vocab_size=tokenizer.vocab_size, seq_length=dataset_cfg.sequence_length, **loader
+            mock.build_data_iterator, vocab_size=tokenizer.vocab_size, seq_length=dataset_cfg.sequence_length
         )
         return tuple(  # type: ignore[return-value]
-            stream(seed=seed + i, consumed_samples=start) if count > 0 else None
+            stream(seed=seed + i, consumed_samples=start, **split_loader(i)) if count > 0 else None
             for i, (count, start) in enumerate(zip(wanted, starts))
         )
     datasets = build_gpt_datasets(dataset_cfg, tokenizer, *wanted)
     return tuple(  # type: ignore[return-value]
-        build_data_iterator(dataset, seed=seed + i, consumed_samples=start, split=name, **loader)
+        build_data_iterator(dataset, seed=seed + i, consumed_samples=start, split=name, **split_loader(i))
         if count > 0 and dataset is not None
         else None
         for i, (name, dataset, count, start) in enumerate(zip(SPLITS, datasets, wanted, starts))

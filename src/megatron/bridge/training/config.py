@@ -220,13 +220,14 @@ class ValidationConfig:
     skip_train: bool = False
     """Do not train: evaluate the loaded (or freshly initialized) model once and stop."""
     eval_global_batch_size: Optional[int] = None
-    """Samples per evaluation step over all data-parallel ranks: ``None`` or ``train.global_batch_size`` (evaluation
-    runs with the training batch sizes here; another value is refused). ``validate()`` fills in ``None``."""
+    """Samples per evaluation step over all data-parallel ranks; ``None``: ``train.global_batch_size`` (filled in by
+    ``validate()``). A multiple of ``eval_micro_batch_size`` times the data-parallel size."""
     eval_micro_batch_size: Optional[int] = None
-    """Samples per evaluation micro-batch on one rank: ``None`` or ``train.micro_batch_size`` (evaluation runs with
-    the training batch sizes here; another value is refused). ``validate()`` fills in ``None``."""
-    derived: set[str] = field(default_factory=set, init=False, repr=False)
-    """Fields ``validate()`` filled in from the training section."""
+    """Samples per evaluation micro-batch on one rank; ``None``: ``train.micro_batch_size`` (filled in by
+    ``validate()``)."""
+    derived: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    """Fields ``validate()`` filled in from the training section, with the value it gave them (a field changed since
+    is the user's)."""
 
 
 @named_fields

@@ -130,25 +130,23 @@ def validate_evaluation_batches(cfg: ConfigContainer, dp: int) -> None:
     v, t = cfg.validation, cfg.train
     batch_sizes = (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size))
     for name, train_value in batch_sizes:
-        if getattr(v, name) is None or name in v.derived:  # as in Megatron-Bridge: training's, when not given
+        value = getattr(v, name)
+        if value is None or v.derived.get(name) == value:  # as in Megatron-Bridge: training's, when not given
             setattr(v, name, train_value)
-            v.derived.add(name)
+            v.derived[name] = train_value
+        else:  # set by the user (also after an earlier validate() filled it in)
+            v.derived.pop(name, None)
+    for name, _ in batch_sizes:
+        if getattr(v, name) < 1:
+            fail(f"validation.{name}", f"must be >= 1, got {getattr(v, name)}", "use null for the training value")
     eval_dp = v.eval_micro_batch_size * dp
-    if v.eval_micro_batch_size < 1 or v.eval_global_batch_size % eval_dp:
+    if v.eval_global_batch_size % eval_dp:
         fail(
             "validation.eval_global_batch_size",
             f"eval_global_batch_size ({v.eval_global_batch_size}) must be divisible by eval_micro_batch_size * "
             f"eval_data_parallel_size ({v.eval_micro_batch_size} * {dp} = {eval_dp})",
             f"use a multiple of {eval_dp}",
         )
-    for name, train_value in batch_sizes:
-        if getattr(v, name) != train_value:
-            fail(
-                f"validation.{name}",
-                f"{getattr(v, name)} differs from the training value {train_value}: evaluation here runs with the "
-                "training batch sizes, so another value would be silently ignored",
-                "leave it null (the training value)",
-            )
     if (v.eval_iters is None or v.eval_iters < 1) and (v.eval_interval is not None or v.skip_train):
         fail("validation.eval_iters", f"must be >= 1 to evaluate, got {v.eval_iters}", "set a positive number of steps")
     if v.eval_interval is not None and v.eval_interval < 1:

@@ -32,7 +32,10 @@ def evaluate(
     cfg = global_state.cfg
     progress = global_state.train_state
     dp = parallel_state.get_data_parallel_world_size()
-    num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    # Evaluation's batch sizes: validate() fills in the training ones where none is set.
+    global_batch = cfg.validation.eval_global_batch_size or cfg.train.global_batch_size
+    micro_batch = cfg.validation.eval_micro_batch_size or cfg.train.micro_batch_size
+    num_microbatches = global_batch // (micro_batch * dp)
     fire_event(callbacks, "on_eval_start", global_state, model)
     for chunk in model:
         chunk.eval()
@@ -47,10 +50,10 @@ def evaluate(
                     model=model,
                     num_microbatches=num_microbatches,
                     seq_length=cfg.model.seq_length,
-                    micro_batch_size=cfg.train.micro_batch_size,
+                    micro_batch_size=micro_batch,
                     forward_only=True,
                 )
-                progress.consumed_valid_samples += cfg.train.global_batch_size
+                progress.consumed_valid_samples += global_batch
                 fire_event(callbacks, "on_eval_step_end", global_state, model)
     finally:
         for chunk in model:

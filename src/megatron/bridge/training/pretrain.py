@@ -268,6 +268,7 @@ def _pretrain(
             valid_samples=_validation_samples(cfg) if evaluating else 0,
             test_samples=0,
             micro_batch_size=cfg.train.micro_batch_size,
+            eval_micro_batch_size=cfg.validation.eval_micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             consumed_train_samples=0 if "data" in checkpoints.skipped_restores else state.consumed_train_samples,
@@ -363,10 +364,10 @@ def per_chunk(iterator: Any, chunks: int, wrap: Callable[[Any], Any] = lambda it
 
 
 def _validation_samples(cfg: ConfigContainer) -> int:
-    """Validation samples the whole run reads: ``eval_iters`` global batches per evaluation."""
+    """Validation samples the whole run reads: ``eval_iters`` evaluation batches per evaluation."""
     v = cfg.validation
     evaluations = 1 if v.skip_train else cfg.train.train_iters // v.eval_interval + 1
-    return evaluations * v.eval_iters * cfg.train.global_batch_size
+    return evaluations * v.eval_iters * (v.eval_global_batch_size or cfg.train.global_batch_size)
 
 
 def _job_id() -> str:
