@@ -18,6 +18,7 @@ from megatron.bridge.training.config import (
     _with_sections,
     runtime_config_update,
 )
+from megatron.bridge.training.config_validation import require_tokenizer
 from megatron.bridge.training.optimizer import build_scheduler
 from megatron.bridge.training.utils import config_reference
 from megatron.bridge.training.utils.overrides import apply_overrides
@@ -201,12 +202,13 @@ def test_the_tokenizer_sizes_the_model_and_what_cannot_be_built_offline_is_refus
     cfg.tokenizer = TokenizerConfig(tokenizer_type="GPT2BPETokenizer")
     _rejected(cfg, "tokenizer.tokenizer_type: 'GPT2BPETokenizer' is not available here")
     cfg = base_config()
-    cfg.tokenizer = TokenizerConfig()  # validate() accepts it, as Megatron-Bridge's does; a run refuses it first
+    cfg.tokenizer = TokenizerConfig()  # validate() accepts it, as Megatron-Bridge's does; pretrain() refuses it first
     cfg.model.vocab_size = None
     cfg.validate(world_size=2)
+    runtime_config_update(cfg)
     assert cfg.model.vocab_size is None
     with pytest.raises(ValueError, match="tokenizer.tokenizer_type: is not set"):
-        runtime_config_update(cfg)
+        require_tokenizer(cfg)
 
 
 def test_the_dataset_is_megatron_cores_config_checked_against_the_model():

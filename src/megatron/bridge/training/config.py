@@ -626,15 +626,12 @@ def apply_environment_variables(cfg: ConfigContainer) -> None:
 def runtime_config_update(cfg: ConfigContainer) -> None:
     """Make ``cfg`` ready to train, as Megatron-Bridge's entry points do: apply ``env_vars``, then validate.
 
-    Unlike ``validate()`` alone it also requires a tokenizer (the run's vocabulary), so a config that cannot train
-    stops here, before anything starts. Megatron-Bridge also applies a mixed-precision recipe and
-    communication-overlap settings here; neither exists in this framework (``validate()`` refuses both). Calling it
-    twice changes nothing the second time.
+    Megatron-Bridge also applies a mixed-precision recipe and communication-overlap settings here; neither exists in
+    this framework (``validate()`` refuses both). Calling it twice changes nothing the second time. Like
+    ``validate()``, it accepts a config that names no tokenizer; ``pretrain()`` then refuses it before anything
+    starts (``config_validation.require_tokenizer``).
     """
-    from megatron.bridge.training.config_validation import require_tokenizer
-
     apply_environment_variables(cfg)
-    require_tokenizer(cfg)
     cfg.set_data_parallel_size()
     cfg.validate()
 

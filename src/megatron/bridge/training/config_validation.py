@@ -129,10 +129,11 @@ def tokenizer_unset(cfg: ConfigContainer) -> bool:
 
 
 def require_tokenizer(cfg: ConfigContainer) -> None:
-    """A run needs a tokenizer: fail naming the choices when the config has none (``runtime_config_update``).
+    """A run needs a tokenizer: fail naming the choices when the config has none.
 
-    ``validate()`` alone accepts a config without one, as Megatron-Bridge's does (its vocabulary is then unknown);
-    the entry points that start a run call this first, so such a run stops before anything starts.
+    ``validate()`` and ``runtime_config_update`` accept a config without one, as Megatron-Bridge's do (its
+    vocabulary is then unknown); ``pretrain()`` calls this right after them, so such a run stops before anything
+    starts.
     """
     if tokenizer_unset(cfg):
         _validate_tokenizer(cfg, required=True)

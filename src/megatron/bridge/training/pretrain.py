@@ -28,6 +28,7 @@ from megatron.bridge.training.config import (
     is_enabled,
     runtime_config_update,
 )
+from megatron.bridge.training.config_validation import require_tokenizer
 from megatron.bridge.training.device_health import check_device_health
 from megatron.bridge.training.eval import evaluate
 from megatron.bridge.training.event_recorder import EventRecorder
@@ -99,6 +100,7 @@ def pretrain(
             restart gave up).
     """
     runtime_config_update(config)  # env_vars, derived fields, validation
+    require_tokenizer(config)  # validate() alone accepts a config without one, as upstream's does; a run cannot
     state = GlobalState()
     state.cfg = config
     manager = normalize_callbacks(callbacks)
@@ -486,6 +488,7 @@ def main(
     try:
         cfg = apply_overrides(build_config(), argv)
         cfg.validate()
+        require_tokenizer(cfg)
     except ValueError as err:
         logging.basicConfig()
         logger.error("configuration error: %s", err)
