@@ -98,6 +98,20 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
 class MockGPTDatasetConfig(GPTDatasetConfig):
     """Synthetic data: no ``blend``; every sample is a deterministic function of ``random_seed`` and its index."""
 
+    NO_FILES = ("blend", "blend_per_split")
+    """megatron-core's data-file fields, which a mock config does not take (they stay ``None``)."""
+
+    def __init__(self, seq_length: Optional[int] = None, **kwargs: Any) -> None:
+        for name in self.NO_FILES:
+            if name in kwargs:
+                raise TypeError(
+                    f"{type(self).__name__}.__init__() got an unexpected keyword argument {name!r} (mock data reads "
+                    "no files: use GPTDatasetConfig)"
+                )
+        super().__init__(seq_length=seq_length, **kwargs)
+        for name in self.NO_FILES:  # the class's None, as in Megatron-Bridge, where they are not init fields
+            del self.__dict__[name]
+
     def finalize(self) -> None:
         """Refuse data files (a mock dataset reads none), then run :meth:`GPTDatasetConfig.finalize`."""
         for name in ("blend", "blend_per_split"):
