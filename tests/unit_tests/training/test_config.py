@@ -658,3 +658,18 @@ def test_evaluation_batch_sizes_default_to_training_and_reach_the_validation_loa
         dp_size=2,
     )
     assert next(train)["tokens"].shape[0] == 4 and next(valid)["tokens"].shape[0] == 1
+
+
+def test_data_parallel_size_counts_the_active_ranks_only(monkeypatch):
+    for name, value in {
+        "TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    cfg = apply_overrides(base_config(), ["train.global_batch_size=4"])
+    cfg.validate(world_size=2)
+    assert cfg.data_parallel_size == 2
+    restart = ["inprocess_restart.enabled=true", "inprocess_restart.granularity=rank"]
+    cfg = apply_overrides(base_config(), [*restart, "inprocess_restart.active_world_size=1"])
+    cfg.validate(world_size=2)  # one warm reserve: one replica trains
+    assert cfg.data_parallel_size == 1

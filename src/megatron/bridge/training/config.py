@@ -565,10 +565,10 @@ class ConfigContainer:
     """Data-parallel replicas for the world size validated against (filled in by ``validate()``)."""
 
     def get_data_parallel_size(self, world_size: int) -> int:
-        """Data-parallel replicas among ``world_size`` ranks (what the model-parallel sizes leave)."""
-        from megatron.bridge.training.config_validation import check_world_divisible
+        """Data-parallel replicas among ``world_size`` ranks (the active ones with in-process restart's reserves)."""
+        from megatron.bridge.training.config_validation import active_ranks, check_world_divisible
 
-        return check_world_divisible(self.model, world_size)
+        return check_world_divisible(self.model, active_ranks(self, world_size))
 
     def set_data_parallel_size(self) -> None:
         """Fill :attr:`data_parallel_size` for this process's world size, without validating the rest."""

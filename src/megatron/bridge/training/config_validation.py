@@ -74,9 +74,7 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     validate_fields(cfg)
     _finalize_sections(cfg)
     _refuse_unsupported(cfg)  # after the sections' own checks: a combination no one accepts is named as such first
-    training_ranks = world_size  # with in-process restart's warm reserves, only the active ranks train
-    if cfg.inprocess_restart.enabled and 1 <= (cfg.inprocess_restart.active_world_size or 0) <= world_size:
-        training_ranks = cfg.inprocess_restart.active_world_size
+    training_ranks = active_ranks(cfg, world_size)
     _validate_tokenizer(cfg)
     _validate_device(cfg)
     _validate_model(cfg.model, training_ranks)
@@ -92,6 +90,14 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     _validate_runtime(cfg)
     _validate_event_dir(cfg)
     validate_resiliency(cfg, world_size, store_port_offset)
+
+
+def active_ranks(cfg: ConfigContainer, world_size: int) -> int:
+    """The ranks that train: all of them, or with in-process restart's warm reserves only the active ones."""
+    restart = cfg.inprocess_restart
+    if restart is not None and restart.enabled and 1 <= (restart.active_world_size or 0) <= world_size:
+        return restart.active_world_size
+    return world_size
 
 
 def _finalize_sections(cfg: ConfigContainer) -> None:
