@@ -531,29 +531,6 @@ def verify_checkpoint(ckpt_dir: str) -> list[str]:
     return sorted(p for part in all_gather_object(problems) for p in part)
 
 
-def _foreign_without_manifest(ckpt_dir: str) -> Optional[str]:
-    """Why ``ckpt_dir`` is loaded unverified, or ``None`` when it is verified (or refused) as usual.
-
-    Unverified: it has no manifest and was written elsewhere (Megatron-Bridge, a conversion tool). ``None``: it has
-    a manifest, or was written by this package (without its manifest it is damaged), or its common part is
-    unreadable. Runs on one rank.
-    """
-    if os.path.exists(os.path.join(ckpt_dir, manifest.MANIFEST_NAME)):
-        return None
-    try:
-        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-    except Exception:  # noqa: BLE001 - unreadable: verification reports the missing manifest
-        return None
-    if contents.written_here(common):
-        return None
-    files = manifest.list_files(ckpt_dir)
-    return (
-        f"checkpoint {ckpt_dir} was not written by this package and has no {manifest.MANIFEST_NAME}: the sizes and "
-        f"SHA-256 hashes of its {len(files)} files ({', '.join(files[:6])}{', ...' if len(files) > 6 else ''}) "
-        "cannot be verified, so a truncated or corrupted file is not detected before the load; loading it unverified"
-    )
-
-
 class CheckpointManager:
     """Saves and loads global checkpoints for one run; owns the async save queue.
 
@@ -869,7 +846,8 @@ class CheckpointManager:
         for iteration in candidates:
             ckpt_dir = layout.iter_dir(root, iteration)
             unverified = on_rank0(
-                lambda ckpt_dir=ckpt_dir: _foreign_without_manifest(ckpt_dir), "reading the checkpoint's common part"
+                lambda ckpt_dir=ckpt_dir: contents.foreign_without_manifest(ckpt_dir),
+                "reading the checkpoint's common part",
             )
             problems = [] if unverified else verify_checkpoint(ckpt_dir)
             if unverified:

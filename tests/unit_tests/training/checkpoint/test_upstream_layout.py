@@ -135,13 +135,13 @@ def _checkpoint_with_common(path, common: dict, with_manifest: bool = False) -> 
 
 
 def _read_common(monkeypatch):
-    from megatron.bridge.training import checkpointing
+    from megatron.core import dist_checkpointing
 
     def load_common_state_dict(ckpt_dir):
         return torch.load(os.path.join(ckpt_dir, "common.pt"), weights_only=False)
 
-    monkeypatch.setattr(checkpointing.dist_checkpointing, "load_common_state_dict", load_common_state_dict)
-    return checkpointing._foreign_without_manifest
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", load_common_state_dict)
+    return contents.foreign_without_manifest
 
 
 def test_only_a_foreign_checkpoint_without_manifest_loads_unverified(tmp_path, monkeypatch):

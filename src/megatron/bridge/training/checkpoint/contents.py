@@ -6,13 +6,14 @@ continue bit-identically. The sharded state dict is built the same way for savin
 (``checkpointing.py``, ``local_tier.py``) agree on it.
 """
 
+import os
 from collections.abc import Callable, Collection
 from typing import Any, Optional
 
 import torch
 
 from megatron.bridge.models.distributed import unwrap
-from megatron.bridge.training.checkpoint import optimizer_state
+from megatron.bridge.training.checkpoint import manifest, optimizer_state
 from megatron.bridge.training.checkpoint.state_dict import generate_state_dict, safe_rng_state
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
@@ -104,6 +105,31 @@ def sharded_state_dict(
 def written_here(common: dict[str, Any]) -> bool:
     """Whether the checkpoint whose common part is ``common`` was written by this package (either tier)."""
     return WRITER_KEY in common or _OWN_LAYOUT_KEY in common
+
+
+def foreign_without_manifest(ckpt_dir: str) -> Optional[str]:
+    """Why ``ckpt_dir`` is loaded unverified, or ``None`` when it is verified (or refused) as usual.
+
+    Unverified: it has no manifest and was written elsewhere (Megatron-Bridge, a conversion tool). ``None``: it has
+    a manifest, or was written by this package (without its manifest it is damaged), or its common part is
+    unreadable. Runs on one rank.
+    """
+    from megatron.core import dist_checkpointing
+
+    if os.path.exists(os.path.join(ckpt_dir, manifest.MANIFEST_NAME)):
+        return None
+    try:
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    except Exception:  # noqa: BLE001 - unreadable: verification reports the missing manifest
+        return None
+    if written_here(common):
+        return None
+    files = manifest.list_files(ckpt_dir)
+    return (
+        f"checkpoint {ckpt_dir} was not written by this package and has no {manifest.MANIFEST_NAME}: the sizes and "
+        f"SHA-256 hashes of its {len(files)} files ({', '.join(files[:6])}{', ...' if len(files) > 6 else ''}) "
+        "cannot be verified, so a truncated or corrupted file is not detected before the load; loading it unverified"
+    )
 
 
 def apply_loaded(
