@@ -216,6 +216,7 @@ def _pretrain(
         registry = fault_injection.install(cfg.fault_injection, restart.iteration if restart is not None else 0)
         checkpoints = CheckpointManager(
             cfg.checkpoint,
+            run_config=cfg,
             common_extra={GOODPUT_ENTRY: goodput.snapshot},
             on_saved=lambda name, kind, iteration: fire_checkpoint_event(
                 checkpoint_callbacks, "on_checkpoint_save", global_state, name, kind, iteration=iteration
