@@ -12,7 +12,16 @@ from megatron.bridge.utils import upstream
 SRC = Path(upstream.__file__).resolve().parents[1]  # src/megatron/bridge
 
 # Private-looking names that are not upstream internals: namedtuple API, os, and our own marker attributes.
-NOT_UPSTREAM = {"_replace", "_asdict", "_exit", "_run_exitfuncs", "_cpu_shim", "_cpu_shimmed"}
+NOT_UPSTREAM = {
+    "_replace",
+    "_asdict",
+    "_exit",
+    "_run_exitfuncs",
+    "_cpu_shim",
+    "_cpu_shimmed",
+    "_format_gpu_scores",  # our straggler manager's (Megatron-Bridge's name for it)
+    "_train_iters_from_num_epochs",  # our TrainingConfig's (Megatron-Bridge's name for it)
+}
 """The standard library's (stable across Python 3 releases, documented or used as such) and our own."""
 
 

@@ -48,9 +48,9 @@ import torch
 
 from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
-from megatron.bridge.training.config import NVRxStragglerDetectionConfig
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.resiliency_config import NVRxStragglerDetectionConfig
 from megatron.bridge.utils.optional_imports import STRAGGLER_PACKAGES
 
 

@@ -313,13 +313,9 @@ class GlobalState:
         """Forget every per-iteration handle so that an in-process restart builds new ones.
 
         The config, the fault tolerance state and client, and the async queue stay (the aborted iteration's
-        teardown closes the queue). The signal handler is released, the TensorBoard writer closed, the cached
-        train-state reads dropped, and the model config's callbacks bound to the aborted iteration's model and
-        optimizer are cleared.
+        teardown closes the queue). The signal handler is released, the TensorBoard writer closed, and the model
+        config's callbacks bound to the aborted iteration's model and optimizer are cleared.
         """
-        from megatron.bridge.training.utils.checkpoint_utils import read_train_state
-
-        read_train_state.cache_clear()  # the tracker was rewritten by later saves: the next iteration reads it anew
         if self._cfg is not None and getattr(self._cfg, "model", None) is not None:
             model_config = getattr(self._cfg.model, "transformer", self._cfg.model)
             for name in _MODEL_CONFIG_CALLBACKS:

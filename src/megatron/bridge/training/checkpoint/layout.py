@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.bridge.training import fault_injection
-from megatron.bridge.training.utils.checkpoint_utils import (
+from megatron.bridge.training.checkpoint.names import (
     TRACKER_FILE,
     TRACKER_PREFIX,
     get_checkpoint_name,
