@@ -550,12 +550,17 @@ def test_deterministic_mode_needs_a_fixed_nccl_algorithm_and_turns_torch_determi
     [
         (["checkpoint.save_retain_interval=0"], "checkpoint.save_retain_interval: must be >= 1 or None"),
         (["checkpoint.save_retain_interval=150"], "150 is not a multiple of save_interval 100"),
+        (["checkpoint.most_recent_k=2"], "cannot be combined with most_recent_k=2"),
     ],
 )
-def test_save_retain_interval_is_a_positive_multiple_of_the_save_interval(tmp_path, overrides, needle):
-    base = [f"checkpoint.save={tmp_path}", "checkpoint.save_interval=100", "checkpoint.most_recent_k=2"]
+def test_save_retain_interval_is_a_positive_multiple_of_the_save_interval_without_most_recent_k(
+    tmp_path, overrides, needle
+):
+    base = [f"checkpoint.save={tmp_path}", "checkpoint.save_interval=100"]
     with pytest.raises(ValueError, match=re.escape(needle)):
-        apply_overrides(base_config(), base + overrides).validate(world_size=1)
+        apply_overrides(base_config(), [*base, "checkpoint.save_retain_interval=1000", *overrides]).validate(
+            world_size=1
+        )
     cfg = apply_overrides(base_config(), [*base, "checkpoint.save_retain_interval=1000"])
     cfg.validate(world_size=1)
     assert cfg.checkpoint.save_retain_interval == 1000

@@ -301,9 +301,9 @@ class CheckpointConfig:
     most_recent_k: int = -1
     """Keep only the newest k committed checkpoints; -1 keeps all."""
     save_retain_interval: Optional[int] = None
-    """Also keep every checkpoint whose iteration is a multiple of this, beyond the ``most_recent_k`` newest (not
-    counted among them); ``None`` keeps no extra ones. A positive multiple of ``save_interval``: with
-    ``save_interval=100, most_recent_k=2, save_retain_interval=1000`` the two newest and every thousandth stay."""
+    """Keep only the checkpoints whose iteration is a multiple of this, and the newest: with ``save_interval=100,
+    save_retain_interval=1000`` every thousandth stays and each other one is deleted once a newer one is committed.
+    A positive multiple of ``save_interval``; not with ``most_recent_k``. ``None``: ``most_recent_k`` decides."""
     save_optim: bool = True
     """Save the optimizer state."""
     save_rng: bool = True

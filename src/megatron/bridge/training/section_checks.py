@@ -157,6 +157,13 @@ def finalize_checkpoint(c: Any) -> None:
     if keep is not None:
         if keep < 1:
             fail("checkpoint.save_retain_interval", f"must be >= 1 or None, got {keep}", "use null to keep none")
+        if c.most_recent_k != -1:
+            fail(
+                "checkpoint.save_retain_interval",
+                f"cannot be combined with most_recent_k={c.most_recent_k}: the two retention policies disagree on "
+                "which checkpoints to delete",
+                "set checkpoint.most_recent_k=-1, or save_retain_interval=null",
+            )
         if c.save_interval and keep % c.save_interval:
             fail(
                 "checkpoint.save_retain_interval",

@@ -132,12 +132,16 @@ def test_tracker_garbage_is_ignored(tmp_path):
     assert layout.read_tracker(str(tmp_path / "missing")) is None
 
 
-def test_retention_also_keeps_every_multiple_of_the_retain_interval(tmp_path):
+def test_the_retain_interval_keeps_its_multiples_and_the_newest(tmp_path):
     root = str(tmp_path)
-    for it in (10, 20, 30, 40, 50, 60):
+    for it in (10, 20, 30, 40, 50):
         _fake_save(root, it, f"p{it}".encode())
         layout.commit(root, it, "a1")
-    layout.write_tracker(root, 60)
-    deleted = layout.apply_retention(root, keep=2, protect=set(), retain_interval=20)
-    assert sorted(deleted) == [10, 30]  # 20 and 40 stay beyond the two newest, which they do not count among
-    assert layout.committed_iterations(root) == [60, 50, 40, 20]
+    layout.write_tracker(root, 50)
+    deleted = layout.apply_retention(root, keep=-1, protect=set(), retain_interval=20)
+    assert sorted(deleted) == [10, 30]  # 50 is not a multiple but the newest: it stays until a newer one commits
+    assert layout.committed_iterations(root) == [50, 40, 20]
+    _fake_save(root, 60, b"p60")
+    layout.commit(root, 60, "a1")
+    assert layout.apply_retention(root, keep=-1, protect={60}, retain_interval=20) == [50]
+    assert layout.committed_iterations(root) == [60, 40, 20]

@@ -234,27 +234,31 @@ def recover(root: str) -> None:
 
 
 def apply_retention(root: str, keep: int, protect: set[int], retain_interval: Optional[int] = None) -> list[int]:
-    """Delete committed checkpoints beyond the newest ``keep`` ones, never one in ``protect``.
+    """Delete committed checkpoints beyond the newest ``keep`` ones, or off ``retain_interval``; never one protected.
 
-    The tracker's checkpoint is always protected too, and so is every iteration that is a multiple of
-    ``retain_interval`` (``checkpoint.save_retain_interval``: kept beyond the newest ``keep``, not counted among
-    them). Returns the deleted iterations.
+    The tracker's checkpoint is always protected too. With ``retain_interval`` (``checkpoint.save_retain_interval``,
+    never together with ``keep``), every checkpoint whose iteration is not a multiple of it is deleted once a newer
+    one is committed: the multiples and the newest stay. Returns the deleted iterations.
 
     Args:
         root: the save directory.
         keep: how many of the newest committed checkpoints to keep; -1 keeps all.
         protect: iterations that must not be deleted (e.g. a save still being finalized).
-        retain_interval: keep every checkpoint whose iteration is a multiple of it; ``None`` keeps none extra.
+        retain_interval: keep only the checkpoints whose iteration is a multiple of it (and the newest).
     """
-    if keep < 0:
+    if keep < 0 and not retain_interval:
         return []
     protected = set(protect)
     tracked = read_tracker(root)
     if tracked is not None:
         protected.add(tracked)
+    if retain_interval:
+        doomed_iterations = [i for i in committed_iterations(root)[1:] if i % retain_interval]
+    else:
+        doomed_iterations = committed_iterations(root)[keep:]
     deleted = []
-    for iteration in committed_iterations(root)[keep:]:
-        if iteration in protected or (retain_interval and iteration % retain_interval == 0):
+    for iteration in doomed_iterations:
+        if iteration in protected:
             continue
         path = iter_dir(root, iteration)
         # Rename first so that a crash mid-delete never leaves a partial iter_N behind.
@@ -265,7 +269,8 @@ def apply_retention(root: str, keep: int, protect: set[int], retain_interval: Op
         # If the process dies first, recover() finishes the job.
         threading.Thread(target=shutil.rmtree, args=(doomed, True), name="ckpt-retention", daemon=True).start()
     if deleted:
-        logger.info("retention (most_recent_k=%d): deleted checkpoints at iterations %s", keep, deleted)
+        policy = f"save_retain_interval={retain_interval}" if retain_interval else f"most_recent_k={keep}"
+        logger.info("retention (%s): deleted checkpoints at iterations %s", policy, deleted)
     return deleted
 
 
