@@ -49,7 +49,7 @@ def _mutated(control, tmp_path: Path, mutation: str) -> tuple[subprocess.Complet
     assert f"mutation {mutation}: struck at" in out.stdout and "the final state differs" in out.stdout, out.stdout
     assert out.returncode == 1 and "drill FAILED" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
     assert not report["passed"] and report["equal"] is False
-    assert "final state DIFFERS from the fault-free run (compared 16 tensors and" in out.stdout, out.stdout[-4000:]
+    assert "final state DIFFERS from the fault-free run (compared 24 tensors and" in out.stdout, out.stdout[-4000:]
     return out, report
 
 
@@ -66,9 +66,9 @@ def test_without_a_mutation_the_short_drill_passes_and_counts_each_part(control)
     compared = {p["part"]: p for p in report["compared"]}
     assert {"model", "optimizer", "scheduler", "train state", "data position", "RNG"} <= set(compared), compared
     assert compared["optimizer"]["detail"].startswith("2 pipeline stage(s): 4 moments, 2 master weights")
-    assert compared["RNG"]["detail"] == "2 ranks" and compared["data position"]["entries"] == 2
+    assert compared["RNG"]["detail"] == "2 ranks" and compared["data position"]["tensors"] == 2
     line = next(x for x in out.stdout.splitlines() if x.startswith("final state EQUAL"))
-    assert "16 tensors and" in line and "; RNG 1 tensor, 2 entries (2 ranks)" in line and "at iteration 10" in line
+    assert "24 tensors and" in line and "; RNG 1 tensor, 2 entries (2 ranks)" in line and "at iteration 10" in line
 
 
 def test_mutation_no_rng_restore_fails_the_drill(control, tmp_path):
