@@ -26,8 +26,12 @@ TEST_EVENTS = ("on_test_start", "on_test_step_start", "on_test_step_end", "on_te
 CHECKPOINT_EVENTS = ("on_checkpoint_save_start", "on_checkpoint_save_end", "on_checkpoint_save", "on_checkpoint_load")
 
 VALID_EVENTS: frozenset[str] = frozenset(
-    ("on_data_init_start", *TRAIN_EVENTS, *EVAL_EVENTS, *TEST_EVENTS, *CHECKPOINT_EVENTS)
+    ("on_data_init_start", *TRAIN_EVENTS, *EVAL_EVENTS, *TEST_EVENTS, "on_checkpoint_save")
 )
+"""Megatron-Bridge's events, exactly its set (code written against it may enumerate it)."""
+PACKAGE_EVENTS: frozenset[str] = frozenset(CHECKPOINT_EVENTS) - VALID_EVENTS
+"""This package's own events (the save bracket and the load); a manager accepts them beside :data:`VALID_EVENTS`."""
+ALL_EVENTS: frozenset[str] = VALID_EVENTS | PACKAGE_EVENTS
 """Every event a callback may handle."""
 
 
@@ -138,7 +142,7 @@ class CallbackManager:
 
     def __init__(self, user_state: Optional[dict] = None) -> None:
         """An empty manager; ``user_state``: the dict its contexts carry (a new one by default)."""
-        self._callbacks: dict[str, list[Callable[[CallbackEventContext], None]]] = {e: [] for e in VALID_EVENTS}
+        self._callbacks: dict[str, list[Callable[[CallbackEventContext], None]]] = {e: [] for e in ALL_EVENTS}
         self._user_state: dict = user_state if user_state is not None else {}
 
     @property
@@ -148,7 +152,7 @@ class CallbackManager:
 
     @property
     def events(self) -> frozenset[str]:
-        """Every valid event name."""
+        """Megatron-Bridge's event names (this package's own are :data:`PACKAGE_EVENTS`)."""
         return VALID_EVENTS
 
     def add(self, callback: Union[Callback, Iterable[Callback]]) -> None:
@@ -159,7 +163,7 @@ class CallbackManager:
                     f"callbacks: {cb!r} is not a Callback; subclass megatron.bridge.training.callbacks.Callback, "
                     "or register a function with CallbackManager.register(event_name, fn)"
                 )
-            for event in VALID_EVENTS:
+            for event in ALL_EVENTS:
                 if getattr(type(cb), event) is not getattr(Callback, event):
                     self._callbacks[event].append(getattr(cb, event))
 
@@ -172,7 +176,7 @@ class CallbackManager:
         manager = cls(user_state=then.user_state if then is not None else None)
         manager.add(list(first))
         if then is not None:
-            for event in sorted(VALID_EVENTS):
+            for event in sorted(ALL_EVENTS):
                 for fn in then.list_callbacks(event):
                     manager.register(event, fn)
         return manager
@@ -199,8 +203,8 @@ class CallbackManager:
 
     @staticmethod
     def _check(event_name: str) -> None:
-        if event_name not in VALID_EVENTS:
-            raise ValueError(f"Unknown event {event_name!r}. Valid events: {', '.join(sorted(VALID_EVENTS))}")
+        if event_name not in ALL_EVENTS:
+            raise ValueError(f"Unknown event {event_name!r}. Valid events: {', '.join(sorted(ALL_EVENTS))}")
 
 
 def normalize_callbacks(
