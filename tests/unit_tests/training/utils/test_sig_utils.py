@@ -5,7 +5,16 @@ import signal
 import threading
 import time
 
-from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, StopDeadline, ignore_in_worker
+import pytest
+import torch
+
+from megatron.bridge.training.utils.sig_utils import (
+    DistributedSignalHandler,
+    StopDeadline,
+    all_gather_item,
+    get_device,
+    ignore_in_worker,
+)
 
 
 def test_handler_records_a_real_signal_and_restores_the_previous_one():
@@ -92,3 +101,27 @@ def test_a_signal_received_while_unwinding_is_delivered_again_on_release(caplog)
         assert seen == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_all_gather_item_without_distributed_is_this_rank_alone():
+    assert all_gather_item(7, dtype=torch.int64) == [7]
+
+
+@pytest.mark.timeout(60)
+def test_all_gather_item_and_the_handler_gather_over_gloo_on_the_cpu():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert get_device() == torch.device("cpu") and get_device(local_rank=3) == torch.device("cpu")
+        assert all_gather_item(2.5, dtype=torch.float64) == [2.5]
+        assert all_gather_item(1, dtype=torch.int32, group=dist.group.WORLD) == [1]
+        handler = DistributedSignalHandler(signal.SIGUSR2).__enter__()
+        try:
+            assert handler.signals_received() == [False]
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert handler.signals_received() == [True]
+        finally:
+            handler.release()
+    finally:
+        dist.destroy_process_group()

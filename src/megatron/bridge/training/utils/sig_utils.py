@@ -26,12 +26,66 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron.bridge.training import event_stream
 from megatron.bridge.training.event_stream import EventKind
 
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
 logger = logging.getLogger(__name__)
+
+
+def get_device(local_rank: Optional[int] = None) -> "torch.device":
+    """Where a collective's tensors live for the default group's backend: a GPU for NCCL, the CPU for gloo.
+
+    Args:
+        local_rank: the GPU of this rank under NCCL; ``None``: the current CUDA device.
+
+    Raises:
+        RuntimeError: the backend is neither NCCL nor gloo.
+    """
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda") if local_rank is None else torch.device("cuda", local_rank)
+    if backend == "gloo":
+        return torch.device("cpu")
+    raise RuntimeError(f"no collective device for the torch.distributed backend {backend!r} (use nccl or gloo)")
+
+
+def all_gather_item(
+    item: Any,
+    dtype: "torch.dtype",
+    group: Optional["dist.ProcessGroup"] = None,
+    async_op: bool = False,
+    local_rank: Optional[int] = None,
+) -> list[Any]:
+    """One number from every rank of ``group`` (default: all ranks), in rank order, as Python numbers.
+
+    Without an initialized ``torch.distributed``, ``[item]``.
+
+    Args:
+        item: this rank's number.
+        dtype: the tensor type it travels as (e.g. ``torch.int32`` for a flag).
+        group: the process group; ``None``: the default one.
+        async_op: passed to ``all_gather``.
+        local_rank: the GPU under NCCL (:func:`get_device`).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [item]
+    mine = torch.tensor([item], dtype=dtype, device=get_device(local_rank))
+    size = group.size() if group is not None else dist.get_world_size()
+    every = [torch.zeros_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group, async_op)
+    return [t.item() for t in every]
 
 
 class DistributedSignalHandler:
@@ -69,19 +123,12 @@ class DistributedSignalHandler:
     def signals_received(self) -> list[bool]:
         """Whether each rank has received the signal, in rank order; ``any(...)`` of it is the decision.
 
-        A collective when ``torch.distributed`` is initialized: every rank must call it at the same point. Without
-        it, a one-element list for this process.
+        A collective when ``torch.distributed`` is initialized (:func:`all_gather_item`): every rank must call it at
+        the same point. Without it, a one-element list for this process.
         """
         import torch
-        import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return [self.received]
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        mine = torch.tensor([int(self.received)], dtype=torch.int32, device=device)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        return [bool(t.item()) for t in every]
+        return [bool(flag) for flag in all_gather_item(int(self.received), dtype=torch.int32)]
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received_at is None:
