@@ -43,26 +43,33 @@ from typing import Any, Optional
 from megatron.bridge import launcher_events, standby
 from megatron.bridge.training.event_stream import EventKind, EventWriter, Process, launcher_file
 from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, job_exit_code
+from megatron.bridge.training.resiliency_config import INPROCESS_COORDINATION_PORT_OFFSET, INPROCESS_STORE_PORT_OFFSET
 from megatron.bridge.utils import rendezvous_port, upstream
 from megatron.bridge.utils.process_start import process_start_time
 from megatron.bridge.utils.rendezvous_port import StorePort
 
 _PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST = 10000
+_PORTS_ABOVE = max(INPROCESS_STORE_PORT_OFFSET, INPROCESS_COORDINATION_PORT_OFFSET)
+"""How many ports above ``MASTER_PORT`` the workers use."""
 """Below this, well-known and registered services live."""
 EVENT_DIR = "--event-dir"
 """The launcher flag naming the event directory (``--event-dir DIR`` or ``--event-dir=DIR``)."""
 
 
 def ports_outside_ephemeral_range(path: str = _PORT_RANGE) -> Optional[list[int]]:
-    """Ports above the kernel's ephemeral range (else below it, from 10000); ``None`` if it cannot be read."""
+    """Ports above the kernel's ephemeral range (else below it, from 10000); ``None`` if it cannot be read.
+
+    Each leaves room for the ports the workers derive from it (in-process restart's stores on ``MASTER_PORT + 1``
+    and ``+ 2``): those are real ports outside the ephemeral range too.
+    """
     try:
         with open(path) as f:
             low, high = (int(x) for x in f.read().split())
     except (OSError, ValueError):
         return None
-    above = list(range(high + 1, 65536))
-    return above if len(above) >= 1000 else list(range(_LOWEST, low)) or None
+    above = list(range(high + 1, 65536 - _PORTS_ABOVE))
+    return above if len(above) >= 1000 else list(range(_LOWEST, low - _PORTS_ABOVE)) or None
 
 
 def socket_on_a_quiet_port() -> socket.socket:
