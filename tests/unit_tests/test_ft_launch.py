@@ -12,9 +12,7 @@ from megatron.bridge import ft_launch
     ("ephemeral", "first", "last"),
     [("32768\t60999\n", 61000, 65533), ("40000 65000", 10000, 39997)],
 )
-def test_ports_are_taken_outside_the_ephemeral_range_leaving_room_for_derived_ones(
-    tmp_path, ephemeral, first, last
-):
+def test_ports_are_taken_outside_the_ephemeral_range_leaving_room_for_derived_ones(tmp_path, ephemeral, first, last):
     path = tmp_path / "ip_local_port_range"
     path.write_text(ephemeral)
     ports = ft_launch.ports_outside_ephemeral_range(str(path))
