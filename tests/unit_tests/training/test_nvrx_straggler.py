@@ -1,5 +1,6 @@
 """Straggler reports: score selection, flagging, the report text and TensorBoard scalars; one real Detector run."""
 
+import importlib
 import math
 import time
 from types import SimpleNamespace
@@ -25,7 +26,11 @@ NAN = float("nan")
 
 def _raw(gpu_rel=None, gpu_ind=None, sec_rel=None, sec_ind=None):
     """nvidia-resiliency-ext's ``Report`` as rank 0 gets it (its ``identify_stragglers`` is the real one)."""
-    from nvidia_resiliency_ext.straggler.reporting import Report
+    from megatron.bridge.utils.optional_imports import straggler_package
+
+    Report = importlib.import_module(
+        straggler_package().__name__ + ".reporting"
+    ).Report  # 0.4: .straggler, 0.6+: .attribution
 
     return Report(
         gpu_relative_perf_scores=gpu_rel or {},
