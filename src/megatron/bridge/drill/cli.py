@@ -68,7 +68,12 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--save-interval", type=int, default=20, help="global (async) checkpoints")
     p.add_argument("--local-interval", type=int, default=5, help="local-tier checkpoints")
     p.add_argument("--max-restarts", type=int, default=None, help="default: restarting faults + 2")
-    p.add_argument("--step-timeout", type=float, default=10.0, help="ft step timeout until one is learned (s)")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=5.0,
+        help="ft step timeout until one is learned (s; below hard_timeout: raised to it)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="kill a run (and its ranks) after this many seconds")
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no equality check)")
     p.add_argument("--data", default=None, help="a dataset prefix to train on (default: a corpus made offline)")
