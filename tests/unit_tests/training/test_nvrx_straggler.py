@@ -22,17 +22,14 @@ from megatron.bridge.training.nvrx_straggler import (
 )
 
 NAN = float("nan")
+_REPORTING = importlib.import_module(nvrx_straggler.straggler.__name__ + ".reporting")
+"""nvidia-resiliency-ext's ``reporting`` module of the package layout in use (0.4: ``straggler``, 0.6+: under
+``attribution``), taken before any test replaces ``nvrx_straggler.straggler``."""
 
 
 def _raw(gpu_rel=None, gpu_ind=None, sec_rel=None, sec_ind=None):
     """nvidia-resiliency-ext's ``Report`` as rank 0 gets it (its ``identify_stragglers`` is the real one)."""
-    from megatron.bridge.utils.optional_imports import straggler_package
-
-    Report = importlib.import_module(
-        straggler_package().__name__ + ".reporting"
-    ).Report  # 0.4: .straggler, 0.6+: .attribution
-
-    return Report(
+    return _REPORTING.Report(
         gpu_relative_perf_scores=gpu_rel or {},
         section_relative_perf_scores={FORWARD_SECTION: sec_rel or {}, "train_step": {0: 0.1, 1: 0.1}},
         gpu_individual_perf_scores=gpu_ind or {},

@@ -23,23 +23,3 @@ def require(module: str) -> Any:
 
 # nvidia-resiliency-ext moved the straggler package in 0.6; newest layout first.
 STRAGGLER_PACKAGES = ("nvidia_resiliency_ext.attribution.straggler", "nvidia_resiliency_ext.straggler")
-
-
-def straggler_package() -> Any:
-    """nvidia-resiliency-ext's straggler package (``Detector``), from whichever layout is installed.
-
-    Raises:
-        ImportError: neither layout is importable.
-    """
-    import importlib
-
-    errors = []
-    for name in STRAGGLER_PACKAGES:
-        try:
-            return importlib.import_module(name)
-        except ImportError as err:
-            errors.append(f"{name}: {err}")
-    raise ImportError(
-        "nvidia-resiliency-ext's straggler detector is not importable (" + "; ".join(errors) + "); "
-        "pip install 'nvidia-resiliency-ext>=0.4'"
-    )
