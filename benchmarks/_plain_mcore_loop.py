@@ -5,7 +5,7 @@ the recipe's ``LlamaTinyModelProvider`` model in megatron-core DDP, ``get_megatr
 optimizer) and ``OptimizerParamScheduler``, then ``get_forward_backward_func()`` + ``optimizer.step()`` per step. The
 hyperparameters (model, optimizer, DDP, dataset) are the ``llama3_tiny_pretrain_config`` recipe's, so both runs of the
 benchmark train the same model the same way; the data are the same files, read by megatron-core's ``GPTDataset``
-through ``megatron.bridge.data.builders.build_train_valid_test_data_iterators`` (same loader workers).
+through ``megatron.bridge.data.loaders.build_train_valid_test_data_iterators`` (same loader workers).
 
 Rank 0 logs one line per step in the framework's format (``iteration N/M | ... | step time X s``: optimizer zeroing,
 forward/backward over the micro-batches, optimizer and scheduler step, as the framework's ``train_step`` times it),
@@ -103,8 +103,10 @@ def main() -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.bridge.data.builders import build_train_valid_test_data_iterators
+    from megatron.bridge.data.loaders import build_train_valid_test_data_iterators
+    from megatron.bridge.data.utils import bind_provider_context, get_dataset_provider
     from megatron.bridge.recipes.llama.llama3 import llama3_tiny_pretrain_config
+    from megatron.bridge.training.state import TrainState
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
     from megatron.bridge.training.utils.overrides import apply_overrides
 
@@ -137,10 +139,13 @@ def main() -> None:
 
     gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     dp_size = parallel_state.get_data_parallel_world_size()
+    cfg.validation.eval_iters = 0  # training batches only
+    provider = bind_provider_context(
+        get_dataset_provider(cfg.dataset), tokenizer=build_tokenizer(cfg.tokenizer), pg_collection=None
+    )
     train_iter, _, _ = build_train_valid_test_data_iterators(
-        cfg.dataset, build_tokenizer(cfg.tokenizer), train_samples=args.steps * gbs, valid_samples=0,
-        test_samples=0, micro_batch_size=mbs, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
-    )  # fmt: skip
+        cfg, TrainState(), provider, parallel_state.get_data_parallel_group()
+    )
     if dist.get_rank() == 0:
         logger.info(
             "recipe llama3_tiny_pretrain_config: global batch %d, micro batch %d, seq length %d, data parallel %d, "

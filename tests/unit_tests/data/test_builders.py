@@ -1,20 +1,28 @@
 """Datasets and iterators: megatron-core GPTDatasets from real files, exact resume, disjoint ranks, splits, mock."""
 
+import functools
 import gc
 import os
+import signal
 import time
 from multiprocessing import resource_tracker
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 from tests import processes
 from tests.unit_tests.data.helpers import texts, write_jsonl
 
-from megatron.bridge.data import builders, mock
+from megatron.bridge.data import builders
 from megatron.bridge.data.config import GPTDatasetConfig, MockGPTDatasetConfig
+from megatron.bridge.data.loaders import build_train_valid_test_data_iterators
+from megatron.bridge.data.mock import MockGPTDataset
 from megatron.bridge.data.preprocess import preprocess
 from megatron.bridge.data.tokenization import build_tokenizer
+from megatron.bridge.data.utils import pretrain_train_valid_test_datasets_provider
 from megatron.bridge.training.config import TokenizerConfig
+from megatron.bridge.training.state import TrainState
 
 SEQ = 32
 
@@ -44,9 +52,24 @@ def _config(blend, **fields) -> GPTDatasetConfig:
     return cfg
 
 
-def _iterators(cfg, tokenizer, **kwargs):
-    args = {"train_samples": 200, "valid_samples": 8, "test_samples": 0, "micro_batch_size": 4, "dp_rank": 0}
-    return builders.build_train_valid_test_data_iterators(cfg, tokenizer, **{**args, "dp_size": 1, **kwargs})
+def _iterators(cfg, tokenizer, *, train_samples=200, valid_samples=8, micro_batch_size=4, dp_rank=0, dp_size=1,
+               consumed_train_samples=0, consumed_valid_samples=0):  # fmt: skip
+    """The loaders' iterators for dataset config ``cfg`` on data-parallel rank ``dp_rank`` of ``dp_size``."""
+    gbs = micro_batch_size * dp_size
+    run = SimpleNamespace(
+        dataset=cfg,
+        rng=SimpleNamespace(seed=0),
+        train=SimpleNamespace(train_samples=train_samples, train_iters=train_samples // gbs, global_batch_size=gbs,
+                              micro_batch_size=micro_batch_size, num_epochs=None, exit_signal=signal.SIGTERM,
+                              exit_signal_handler_for_dataloader=False),
+        validation=SimpleNamespace(eval_interval=10**9, eval_iters=valid_samples // gbs, skip_train=False,
+                                   eval_global_batch_size=None, eval_micro_batch_size=None),
+    )  # fmt: skip
+    state = TrainState(consumed_train_samples=consumed_train_samples, consumed_valid_samples=consumed_valid_samples)
+    provider = functools.partial(pretrain_train_valid_test_datasets_provider, tokenizer=tokenizer)
+    with mock.patch("torch.distributed.get_rank", return_value=dp_rank):
+        with mock.patch("torch.distributed.get_world_size", return_value=dp_size):
+            return build_train_valid_test_data_iterators(run, state, provider, dp_group=None)
 
 
 def _take(iterator, count: int) -> list[dict]:
@@ -68,9 +91,10 @@ def test_real_data_batches_have_the_keys_and_shapes_of_the_mock_stream(data, tok
     assert batch["tokens"].dtype == batch["labels"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
     assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])  # next-token targets
     assert int(batch["tokens"].max()) < tokenizer.vocab_size
-    mock_batch = next(mock.build_data_iterator(vocab_size=512, seq_length=SEQ, seed=0, consumed_samples=0,
-                                               micro_batch_size=4, dp_rank=0, dp_size=1))  # fmt: skip
-    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: (v.shape, v.dtype) for k, v in mock_batch.items()}
+    mock_sample = MockGPTDataset(vocab_size=512, seq_length=SEQ, seed=0)[0]
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+        k: ((4, *v.shape), v.dtype) for k, v in mock_sample.items()
+    }
     assert sorted(next(valid)) == sorted(batch) and test is None
     with_mask = next(_iterators(_config(([data[0]], None)), tokenizer)[0])
     assert with_mask["attention_mask"].shape == (4, 1, SEQ, SEQ) and with_mask["attention_mask"].dtype == torch.bool
@@ -106,8 +130,10 @@ def test_train_and_validation_splits_come_from_disjoint_documents(data, tokenize
     assert cfg.tokenizer is None and cfg.path_to_cache is None  # the caller's config is not changed
     cache = os.path.join(os.path.dirname(data[0]), "index-cache")
     assert any(name.endswith("-GPTDataset-train-shuffle_index.npy") for name in os.listdir(cache))
-    with pytest.raises(ValueError, match=r"dataset.split: '80,20,0' gives the test split no data, but 4 test samples"):
-        builders.build_gpt_datasets(cfg, tokenizer, 200, 8, 4)
+    assert builders.build_gpt_datasets(cfg, tokenizer, 200, 8, 4)[2] is None  # the loop never reads the test split
+    no_valid = _config(([data[0]], None), split="100,0,0")
+    with pytest.raises(ValueError, match=r"dataset.split: '100,0,0' gives the validation split no data, but 8 valid"):
+        builders.build_gpt_datasets(no_valid, tokenizer, 200, 8, 0)
 
 
 def test_blend_per_split_reads_each_split_from_its_own_files(data, tokenizer):
@@ -135,14 +161,13 @@ def test_a_weighted_blend_draws_from_both_datasets_and_needs_a_process_group(dat
         torch.distributed.destroy_process_group()
 
 
-def test_reading_past_the_samples_built_is_an_error_not_a_wrap_around(data, tokenizer):
+def test_a_split_read_to_its_end_is_an_error_naming_it_not_a_silent_stop(data, tokenizer):
     cfg = _config(([data[0]], None))
-    valid = builders.build_gpt_datasets(cfg, tokenizer, 8, 4, 0)[1]
-    iterator = builders.build_data_iterator(
-        valid, seed=0, consumed_samples=len(valid) - 2, micro_batch_size=4, dp_rank=0, dp_size=1, split="validation"
-    )
-    with pytest.raises(IndexError, match=f"validation sample {len(valid)} is past the {len(valid)} samples built"):
-        next(iterator)
+    train, _valid, _test = _iterators(cfg, tokenizer, train_samples=8, valid_samples=0)
+    built = builders.build_gpt_datasets(cfg, tokenizer, 8, 0, 0)[0]
+    _take(train, len(built) // 4)  # every full micro-batch of the built samples
+    with pytest.raises(RuntimeError, match=f"the train data ran out: all {len(built)} samples of the train split"):
+        next(train)
 
 
 def test_mock_config_keeps_the_mock_stream(tokenizer):
@@ -151,11 +176,16 @@ def test_mock_config_keeps_the_mock_stream(tokenizer):
     cfg.finalize()
     null = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100))
     train, valid, test = _iterators(cfg, null, consumed_train_samples=6, consumed_valid_samples=2, micro_batch_size=2)
-    common = {"vocab_size": 100, "seq_length": 16, "micro_batch_size": 2, "dp_rank": 0, "dp_size": 1}
-    assert _same(_take(train, 2), _take(mock.build_data_iterator(seed=5, consumed_samples=6, **common), 2))
-    assert _same(_take(valid, 2), _take(mock.build_data_iterator(seed=6, consumed_samples=2, **common), 2))
-    assert test is None
-    assert _iterators(cfg, null, train_samples=0, valid_samples=0)[:2] == (None, None)
+
+    def mock_batches(seed, first):  # the stream's samples from ``first`` on, two per batch
+        stream = MockGPTDataset(vocab_size=100, seq_length=16, seed=seed)
+        rows = [[stream[first + 2 * b + r] for r in range(2)] for b in range(2)]
+        return [{k: torch.stack([row[k] for row in batch]) for k in batch[0]} for batch in rows]
+
+    assert _same(_take(train, 2), mock_batches(5, 6))
+    assert _same(_take(valid, 2), mock_batches(6, 2))
+    assert _same(_take(test, 1), mock_batches(7, 0)[:1])  # the test split starts at 0, seeded random_seed + 2
+    assert _iterators(cfg, null, train_samples=0, valid_samples=0) == (None, None, None)
 
 
 def test_a_spawned_loader_worker_serves_the_same_batches(data, tokenizer, monkeypatch):

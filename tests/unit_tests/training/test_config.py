@@ -607,10 +607,26 @@ def test_runtime_config_update_sets_env_vars_the_process_lacks(monkeypatch):
         apply_environment_variables(cfg)
 
 
+def _data_iterators(cfg, dp_rank=0, dp_size=1):
+    """The run's data iterators as training set-up builds them, on rank ``dp_rank`` of ``dp_size`` (patched in)."""
+    from unittest import mock
+
+    from megatron.bridge.data.loaders import build_train_valid_test_data_iterators
+    from megatron.bridge.data.tokenization import build_tokenizer
+    from megatron.bridge.data.utils import bind_provider_context, get_dataset_provider
+    from megatron.bridge.training.state import TrainState
+
+    provider = bind_provider_context(
+        get_dataset_provider(cfg.dataset), tokenizer=build_tokenizer(cfg.tokenizer), pg_collection=None
+    )
+    with mock.patch("torch.distributed.get_rank", return_value=dp_rank):
+        with mock.patch("torch.distributed.get_world_size", return_value=dp_size):
+            return build_train_valid_test_data_iterators(cfg, TrainState(), provider, dp_group=None)
+
+
 def test_a_dataset_provider_builds_the_splits_the_loader_reads(tmp_path):
     import dataclasses
 
-    from megatron.bridge.data.builders import build_train_valid_test_data_iterators
     from megatron.bridge.training.config import DatasetBuildContext, DatasetProvider
 
     seen = []
@@ -631,17 +647,18 @@ def test_a_dataset_provider_builds_the_splits_the_loader_reads(tmp_path):
     cfg = base_config()
     cfg.dataset = Provider(num_workers=0)
     cfg.validate(world_size=1)  # a provider is checked for its loader fields only
-    train, valid, test = build_train_valid_test_data_iterators(
-        cfg.dataset, None, train_samples=4, valid_samples=0, test_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1
-    )
-    assert valid is None and test is None and seen[0].train_samples == 4
+    train, valid, test = _data_iterators(cfg)
+    assert valid is None and test is None and seen[0].train_samples == 100 * 8
+    assert seen[0].tokenizer.vocab_size == 128
     assert next(train)["tokens"][:, 0].tolist() == [0, 1]
+    cfg.dataset.dataloader_type = "batch"  # one global batch loaded at once, cut into the loop's micro-batches
+    train = _data_iterators(cfg)[0]
+    firsts = [next(train)["tokens"][:, 0].tolist() for _ in range(4)]
+    assert all(len(rows) == 2 for rows in firsts)
+    assert len({i for rows in firsts for i in rows}) == 8  # the 8 samples of one global batch, each once
 
 
 def test_evaluation_batch_sizes_default_to_training_and_reach_the_validation_loader():
-    from megatron.bridge.data.builders import build_train_valid_test_data_iterators
-    from megatron.bridge.data.tokenization import build_tokenizer
-
     cfg = base_config()
     cfg.validate(world_size=2)
     assert (cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size) == (8, 2)
@@ -649,20 +666,12 @@ def test_evaluation_batch_sizes_default_to_training_and_reach_the_validation_loa
     cfg.validate(world_size=2)
     assert (cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size) == (16, 4)
     cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size = 4, 1
+    cfg.validation.eval_interval, cfg.validation.eval_iters = 50, 1
     cfg.validate(world_size=2)
     assert (cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size) == (4, 1)
-    train, valid, _ = build_train_valid_test_data_iterators(
-        cfg.dataset,
-        build_tokenizer(cfg.tokenizer),
-        train_samples=16,
-        valid_samples=4,
-        test_samples=0,
-        micro_batch_size=cfg.train.micro_batch_size,
-        eval_micro_batch_size=cfg.validation.eval_micro_batch_size,
-        dp_rank=0,
-        dp_size=2,
-    )
+    train, valid, test = _data_iterators(cfg, dp_rank=1, dp_size=2)
     assert next(train)["tokens"].shape[0] == 4 and next(valid)["tokens"].shape[0] == 1
+    assert next(test)["tokens"].shape[0] == 1
 
 
 def test_data_parallel_size_counts_the_active_ranks_only(monkeypatch):

@@ -1,12 +1,11 @@
-"""Train/validation/test datasets and iterators: megatron-core's ``GPTDataset`` from real files, or the mock stream.
+"""megatron-core's ``GPTDataset`` splits from real files, and the guards around building them.
 
-:func:`build_train_valid_test_data_iterators` is the one entry point training setup calls. For a config without
-data files (``MockGPTDatasetConfig``) it returns the mock streams of :mod:`megatron.bridge.data.mock`, exactly as
-before (vocabulary from the tokenizer; validation seed ``random_seed + 1``, test ``+ 2``). For a real
-``GPTDatasetConfig`` it builds megatron-core ``GPTDataset`` splits through ``BlendedMegatronDatasetBuilder``
-(``blend`` with weights and ``split``, or ``blend_per_split``) and reads them with the same
-``samplers.MegatronPretrainingSampler``: sample ``i`` of a split is a fixed function of the data, ``random_seed``
-and ``i``, so a run resumed at ``consumed_train_samples`` sees exactly the batches an uninterrupted run would have.
+:func:`build_gpt_datasets` builds the train, validation and test splits of a ``GPTDatasetConfig`` through
+``BlendedMegatronDatasetBuilder`` (``blend`` with weights and ``split``, or ``blend_per_split``); the data
+provider (:mod:`megatron.bridge.data.utils`) wraps each in :class:`Samples` and :mod:`megatron.bridge.data.loaders`
+reads them with the same samplers as every other dataset: sample ``i`` of a split is a fixed function of the data,
+``random_seed`` and ``i``, so a run resumed at ``consumed_train_samples`` sees exactly the batches an uninterrupted
+run would have.
 
 Index cache: megatron-core writes ``.npy`` index files to ``dataset.path_to_cache``, by default ``index-cache/``
 next to the first prefix (:func:`megatron.bridge.data.checks.default_path_to_cache`). With several ranks, every
@@ -16,28 +15,24 @@ every rank draws its own batches (``gpt_step.get_batch``); there is no broadcast
 
 Guards against: a run that hangs or fails mid-way on its data (files, blend, split sizes and the cache directory
 are checked first, :func:`megatron.bridge.data.checks.check_dataset_files`); a resumed run on different data than
-an uninterrupted one; a split read past the samples built for it, which fails naming the count to raise rather
-than wrapping around; a restart loop on a truncated index cache. megatron-core writes its ``.npy`` files in place
+an uninterrupted one; a restart loop on a truncated index cache. megatron-core writes its ``.npy`` files in place
 and takes any set whose files exist for complete, so a rank 0 killed while writing them (a preemption during
 start-up) left every later start failing to load them; rank 0 first removes such sets
 (:func:`repair_index_cache`) and megatron-core rebuilds them.
 """
 
 import copy
-import functools
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy
 import torch
 from torch.utils.data import Dataset
 
-from megatron.bridge.data import mock
 from megatron.bridge.data.checks import SPLITS, check_dataset_files, is_mock, path_to_cache
-from megatron.bridge.data.config import DatasetBuildContext, DatasetProvider
 from megatron.bridge.utils.cpu_shims import before_megatron_core_import
 from megatron.bridge.utils.fields import fail
 
@@ -95,6 +90,8 @@ def build_gpt_datasets(
     for i, (name, size) in enumerate(zip(SPLITS, sizes)):
         if size < 0:
             raise ValueError(f"{name}_samples must be >= 0, got {size}")
+        if name == "test":  # never read by the training loop: a split without data is just absent
+            continue
         if cfg.blend is not None and size and cfg.split_matrix[i] is None:
             fail(
                 "dataset.split",
@@ -169,8 +166,8 @@ def _blends_datasets(cfg: Any) -> bool:
     return any(len(prefixes) > 1 or (cfg.blend is not None and weights is not None) for prefixes, weights in blends)
 
 
-class _Samples(Dataset):
-    """A split's samples by index, holding only the batch keys; an index past the built samples is a clear error."""
+class Samples(Dataset):
+    """A split's samples by index, holding only the batch keys (:data:`BATCH_KEYS`)."""
 
     def __init__(self, dataset: Dataset, split: str) -> None:
         self.dataset = dataset
@@ -181,127 +178,8 @@ class _Samples(Dataset):
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if index >= self.length:
-            raise IndexError(
-                f"{self.split} sample {index} is past the {self.length} samples built for the {self.split} split; "
-                f"build the datasets with more {self.split} samples"
-            )
         sample = self.dataset[index]
         return {key: sample[key] for key in BATCH_KEYS if key in sample}
-
-
-def build_data_iterator(
-    dataset: Dataset,
-    *,
-    seed: int,
-    consumed_samples: int,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    persistent_workers: bool = True,
-    worker_init_fn: Optional[Callable[[int], None]] = None,
-    split: str = "train",
-) -> DataIterator:
-    """Iterator of this rank's micro-batches of ``dataset``, from global sample ``consumed_samples`` on.
-
-    The keywords are :func:`megatron.bridge.data.mock.build_data_iterator`'s (``dataset`` replaces
-    ``vocab_size``/``seq_length``; ``split`` names the split in errors). Batches hold ``tokens``, ``labels``,
-    ``loss_mask``, ``position_ids`` (and ``attention_mask`` when the dataset makes one), each ``micro_batch_size``
-    rows. ``seed`` seeds the loader's private generator only (workers' seeds): the samples are the dataset's.
-    """
-    return mock.positioned_iterator(
-        _Samples(dataset, split),
-        seed=seed,
-        consumed_samples=consumed_samples,
-        micro_batch_size=micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=persistent_workers,
-        worker_init_fn=worker_init_fn,
-    )
-
-
-def build_train_valid_test_data_iterators(
-    dataset_cfg: "GPTDatasetConfig",
-    tokenizer: Any,
-    *,
-    train_samples: int,
-    valid_samples: int,
-    test_samples: int,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    consumed_train_samples: int = 0,
-    consumed_valid_samples: int = 0,
-    worker_init_fn: Optional[Callable[[int], None]] = None,
-    eval_micro_batch_size: Optional[int] = None,
-) -> tuple[Optional[DataIterator], Optional[DataIterator], Optional[DataIterator]]:
-    """The train, validation and test iterators of this data-parallel rank; ``None`` for a split needing 0 samples.
-
-    Every rank calls this (megatron-core synchronizes the index build over the default process group).
-
-    Args:
-        dataset_cfg: the finalized dataset config: without data files, the mock stream; else real data.
-        tokenizer: the built tokenizer (its ``vocab_size`` sizes the mock stream; real data reads ``eod``).
-        train_samples: global training samples the run needs in total (e.g. ``train_iters * global_batch_size``).
-        valid_samples: global validation samples over the whole run (0: no validation iterator).
-        test_samples: global test samples (0: no test iterator).
-        micro_batch_size: rows per batch.
-        dp_rank: this rank's data-parallel rank.
-        dp_size: the data-parallel size.
-        consumed_train_samples: where the training iterator starts (a resumed run's count).
-        consumed_valid_samples: where the validation iterator starts.
-        worker_init_fn: run in each loader worker at its start.
-        eval_micro_batch_size: rows per batch of the validation and test iterators (``validation.
-            eval_micro_batch_size``); ``None``: ``micro_batch_size``.
-
-    Loader settings (``num_workers``, ``pin_memory``, ``persistent_workers``) come from ``dataset_cfg``; the
-    test iterator starts at 0.
-    """
-    loader = {
-        "micro_batch_size": micro_batch_size,
-        "dp_rank": dp_rank,
-        "dp_size": dp_size,
-        "num_workers": dataset_cfg.num_workers,
-        "pin_memory": dataset_cfg.pin_memory,
-        "persistent_workers": dataset_cfg.persistent_workers,
-        "worker_init_fn": worker_init_fn,
-    }
-    rows = (micro_batch_size, eval_micro_batch_size or micro_batch_size, eval_micro_batch_size or micro_batch_size)
-
-    def split_loader(i: int) -> dict:
-        return {**loader, "micro_batch_size": rows[i]}
-
-    seed = getattr(dataset_cfg, "random_seed", 0)  # a DatasetProvider need not have one
-    starts = (consumed_train_samples, consumed_valid_samples, 0)
-    wanted = (train_samples, valid_samples, test_samples)
-    if isinstance(dataset_cfg, DatasetProvider):  # a custom provider builds its splits; read like ours
-        datasets = dataset_cfg.build_datasets(DatasetBuildContext(*wanted, tokenizer=tokenizer))
-        return tuple(  # type: ignore[return-value]
-            build_data_iterator(dataset, seed=seed + i, consumed_samples=start, split=name, **split_loader(i))
-            if count > 0 and dataset is not None
-            else None
-            for i, (name, dataset, count, start) in enumerate(zip(SPLITS, datasets, wanted, starts))
-        )
-    if is_mock(dataset_cfg):
-        stream = functools.partial(
-            mock.build_data_iterator, vocab_size=tokenizer.vocab_size, seq_length=dataset_cfg.sequence_length
-        )
-        return tuple(  # type: ignore[return-value]
-            stream(seed=seed + i, consumed_samples=start, **split_loader(i)) if count > 0 else None
-            for i, (count, start) in enumerate(zip(wanted, starts))
-        )
-    datasets = build_gpt_datasets(dataset_cfg, tokenizer, *wanted)
-    return tuple(  # type: ignore[return-value]
-        build_data_iterator(dataset, seed=seed + i, consumed_samples=start, split=name, **split_loader(i))
-        if count > 0 and dataset is not None
-        else None
-        for i, (name, dataset, count, start) in enumerate(zip(SPLITS, datasets, wanted, starts))
-    )
 
 
 def started(iterator: Optional[DataIterator]) -> Optional[DataIterator]:
@@ -317,11 +195,4 @@ def started(iterator: Optional[DataIterator]) -> Optional[DataIterator]:
     return itertools.chain([first], iterator)
 
 
-__all__ = [
-    "BATCH_KEYS",
-    "build_data_iterator",
-    "build_gpt_datasets",
-    "build_train_valid_test_data_iterators",
-    "repair_index_cache",
-    "started",
-]
+__all__ = ["BATCH_KEYS", "Samples", "build_gpt_datasets", "repair_index_cache", "started"]

@@ -7,12 +7,12 @@
 dataset. :class:`MockGPTDatasetConfig` is the same without data files: deterministic synthetic token sequences.
 """
 
-import abc
 import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
+from megatron.bridge.data.base import DataloaderConfig
 from megatron.bridge.utils.cpu_shims import before_megatron_core_import
 from megatron.bridge.utils.fields import fail
 
@@ -20,27 +20,6 @@ before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fus
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig  # noqa: E402
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig  # noqa: E402
-
-
-@dataclass(kw_only=True)
-class DataloaderConfig:
-    """How batches are loaded (``torch.utils.data.DataLoader`` settings)."""
-
-    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = None
-    """Sampler: ``"single"`` (one pass in order, resumable by sample count; ``None`` means it), ``"cyclic"``,
-    ``"batch"`` or ``"external"``."""
-    num_workers: int = 2
-    """Data-loader worker processes per rank (0 loads in the training process)."""
-    data_sharding: bool = True
-    """Each data-parallel rank reads its own share of every global batch."""
-    pin_memory: bool = True
-    """Copy batches into pinned memory (only where a GPU is present)."""
-    drop_last: bool = True
-    """Drop a last incomplete batch."""
-    persistent_workers: bool = True
-    """Keep workers alive between epochs (off when ``num_workers`` is 0)."""
-    trust_remote_code: Optional[bool] = None
-    """Run code shipped with a HuggingFace dataset."""
 
 
 @dataclass(init=False)
@@ -90,8 +69,7 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
             if getattr(self, name) is None:
                 fail(f"dataset.{name}", f"{name} is not set (megatron-core requires it)", "set it to False or True")
         BlendedMegatronDatasetConfig.__post_init__(self)
-        if self.num_workers == 0:
-            self.persistent_workers = False
+        DataloaderConfig.finalize(self)
 
 
 @dataclass(init=False)
@@ -120,38 +98,4 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
         super().finalize()
 
 
-@dataclass(frozen=True)
-class DatasetBuildContext:
-    """What training set-up tells a :class:`DatasetProvider` when it asks for the datasets."""
-
-    train_samples: int
-    """Global training samples the run reads in total."""
-    valid_samples: int
-    """Global validation samples the run reads in total (0: no validation split is needed)."""
-    test_samples: int
-    """Global test samples (0: no test split is needed)."""
-    tokenizer: Any = None
-    """The built tokenizer."""
-
-
-@dataclass(kw_only=True)
-class DatasetProvider(DataloaderConfig, abc.ABC):
-    """A dataset config that builds its own datasets (Megatron-Bridge's custom-provider contract).
-
-    Subclass it and implement :meth:`build_datasets`; training set-up calls it once with the sample counts the run
-    needs and reads each returned map-style dataset with the same positioned loader as the built-in datasets (a
-    resumed run sees the same batches), so each sample must be a dict holding at least ``tokens``, ``labels``,
-    ``loss_mask`` and ``position_ids``.
-    """
-
-    @abc.abstractmethod
-    def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
-        """The train, validation and test datasets (``None`` for a split not provided)."""
-
-    def finalize(self) -> None:
-        """Check the loader fields (workers cannot persist without workers)."""
-        if self.num_workers == 0:
-            self.persistent_workers = False
-
-
-__all__ = ["DataloaderConfig", "DatasetBuildContext", "DatasetProvider", "GPTDatasetConfig", "MockGPTDatasetConfig"]
+__all__ = ["GPTDatasetConfig", "MockGPTDatasetConfig"]

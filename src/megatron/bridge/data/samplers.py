@@ -2,8 +2,9 @@
 
 :class:`MegatronPretrainingSampler` hands each data-parallel rank its slice of consecutive global batches, from
 sample ``consumed_samples`` on: a resumed run reads exactly the samples an uninterrupted run would have read next.
-:func:`build_pretraining_data_loader` wraps it in a ``DataLoader``; every iterator of this package's data
-(``data.mock``, ``data.builders``) is made by it.
+:class:`MegatronPretrainingBatchSampler` hands it its share of whole global batches
+(``dataloader_type="batch"``). :func:`build_pretraining_data_loader` wraps either in a ``DataLoader``; every
+loader of this package's data (``data.loaders``) is made by it.
 
 Guards against: data-parallel ranks drifting apart at the end of a split. A final partial global batch that cannot
 give every rank a batch (``drop_last=False`` with several ranks) is an error, not a silently shorter batch on some
@@ -17,10 +18,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from megatron.bridge.utils.cpu_shims import training_on_cpu
-
-UNBOUNDED_SAMPLES = 2**62
-"""``total_samples`` for a dataset that bounds its reads itself (an endless mock stream, or a split that raises a
-clear error past the samples built for it)."""
 
 
 class MegatronPretrainingSampler:
@@ -96,6 +93,112 @@ class MegatronPretrainingSampler:
         yield list(range(start, self.total_samples))
 
 
+class MegatronPretrainingBatchSampler:
+    """Whole global batches, shuffled per epoch: each yield is this data-parallel rank's share of one global batch.
+
+    The epoch's order is a permutation seeded by ``seed + epoch``; the epoch and the offset in it follow from
+    ``consumed_samples``, which advances as batches are yielded, so a resumed run (and every later epoch when the
+    loader is iterated again) reads what an uninterrupted run would. Rank ``r`` takes every ``data_parallel_size``-th
+    index of a global batch from ``r`` on; the loop splits that share into micro-batches.
+
+    Args:
+        total_samples: samples in the dataset (one epoch).
+        consumed_samples: global samples already read (a resumed run's ``consumed_train_samples``).
+        micro_batch_size: rows of a micro-batch.
+        global_batch_size: rows of a global batch, a multiple of ``micro_batch_size * data_parallel_size``.
+        data_parallel_rank: this rank's data-parallel rank.
+        data_parallel_size: the data-parallel size.
+        drop_last: drop an epoch's final partial global batch.
+        pad_samples_to_global_batch_size: fill a final partial global batch with index ``-1``, for a dataset that
+            reads ``-1`` as a loss-masked padding sample.
+        shuffle: permute each epoch (``False``: in order).
+        seed: the permutation's base seed; ``None``: ``torch.initial_seed()``.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+        pad_samples_to_global_batch_size: bool = False,
+        shuffle: bool = True,
+        seed: Optional[int] = None,
+    ) -> None:
+        if total_samples <= 0:
+            raise ValueError(f"total_samples must be > 0, got {total_samples} (no sample to read)")
+        if micro_batch_size <= 0 or data_parallel_size <= 0:
+            raise ValueError(
+                f"micro_batch_size ({micro_batch_size}) and data_parallel_size ({data_parallel_size}) must be > 0"
+            )
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank={data_parallel_rank} is not below data_parallel_size")
+        per_step = micro_batch_size * data_parallel_size
+        if global_batch_size % per_step:
+            raise RuntimeError(
+                f"`global_batch_size` ({global_batch_size}) is not divisible by `micro_batch_size "
+                f"({micro_batch_size}) x data_parallel_size ({data_parallel_size})`"
+            )
+        if drop_last and total_samples < global_batch_size:
+            raise ValueError(
+                f"drop_last=True needs at least one full global batch: total_samples={total_samples} < "
+                f"global_batch_size={global_batch_size}"
+            )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.micro_batch_times_data_parallel_size = per_step
+        self.drop_last = drop_last
+        self.pad_samples_to_global_batch_size = pad_samples_to_global_batch_size
+        self.shuffle = shuffle
+        self.seed = int(torch.initial_seed() if seed is None else seed)
+        self._global_batch_size = global_batch_size
+        self._num_micro_batches = global_batch_size // per_step
+        self._global_batch_size_on_this_data_parallel_rank = self._num_micro_batches * micro_batch_size
+
+    def _epoch_samples(self) -> int:
+        """Samples one epoch advances ``consumed_samples`` by."""
+        gbs = self._global_batch_size
+        if self.drop_last:
+            return self.total_samples // gbs * gbs
+        if self.pad_samples_to_global_batch_size:
+            return -(-self.total_samples // gbs) * gbs
+        return self.total_samples
+
+    def __len__(self) -> int:
+        """Global batches left in the current epoch."""
+        left = self._epoch_samples() - self.consumed_samples % self._epoch_samples()
+        return left // self._global_batch_size if self.drop_last else -(-left // self._global_batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, offset = divmod(self.consumed_samples, self._epoch_samples())
+        if self.shuffle:
+            order = torch.randperm(self.total_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+            indices = order.tolist()[offset:]
+        else:
+            indices = list(range(offset, self.total_samples))
+        gbs, rank, size = self._global_batch_size, self.data_parallel_rank, self.data_parallel_size
+        full = len(indices) // gbs * gbs
+        for start in range(0, full, gbs):
+            self.consumed_samples += gbs
+            yield indices[start + rank : start + gbs : size]
+        tail = indices[full:]
+        if not tail or self.drop_last:
+            return
+        share = tail[rank::size]
+        if self.pad_samples_to_global_batch_size:
+            share += [-1] * (gbs // size - len(share))
+            self.consumed_samples += gbs
+        else:
+            self.consumed_samples += len(tail)
+        yield share
+
+
 def build_pretraining_data_loader(
     dataset: Optional[Dataset],
     consumed_samples: int,
@@ -112,49 +215,70 @@ def build_pretraining_data_loader(
     drop_last: Optional[bool] = True,
     global_batch_size: Optional[int] = None,
     seed: Optional[int] = None,
-    total_samples: Optional[int] = None,
 ) -> Any:
-    """A ``DataLoader`` of this rank's micro-batches of ``dataset`` from ``consumed_samples`` on.
+    """A ``DataLoader`` of this rank's batches of ``dataset`` from global sample ``consumed_samples`` on.
 
     Args:
         dataset: the samples (``None``: returns ``None``).
         consumed_samples: the first global sample index.
-        dataloader_type: ``"single"`` (:class:`MegatronPretrainingSampler`) or ``"external"`` (``dataset`` is
-            already a loader and is returned as is). Megatron-Bridge's ``"cyclic"`` and ``"batch"`` samplers serve
-            its fine-tuning datasets, which this package does not provide: they raise ``ValueError``.
+        dataloader_type: ``"single"`` (:class:`MegatronPretrainingSampler`: micro-batches), ``"batch"``
+            (:class:`MegatronPretrainingBatchSampler`: this rank's share of a global batch, padded when
+            ``drop_last`` is off) or ``"external"`` (``dataset`` is already a loader and is returned as is).
+            Megatron-Bridge's ``"cyclic"`` sampler serves its fine-tuning datasets, which this package does not
+            provide: it raises ``ValueError``.
         micro_batch_size: samples per micro-batch.
         num_workers: loader worker processes (spawned, not forked: see below).
-        data_sharding: accepted for Megatron-Bridge compatibility; only the ``"cyclic"`` sampler reads it.
+        data_sharding: read by the ``"cyclic"`` sampler only.
         worker_init_fn: run in each worker at its start (e.g. to ignore the preemption signal).
         collate_fn: the loader's collate function (``None``: PyTorch's default).
         pin_memory: pin batches in page-locked memory; applies only where a GPU is present.
         persistent_workers: keep the workers between epochs (only with ``num_workers > 0``).
         data_parallel_rank: this rank's data-parallel rank.
         data_parallel_size: the data-parallel size.
-        drop_last: drop a final partial global batch (``None`` counts as ``True``).
-        global_batch_size: read by the ``"batch"`` sampler only.
-        seed: seeds the loader's private generator (the workers' seeds); ``None``: 0. Making the iterator never
-            draws from the global RNG, so a resumed run (which makes it after restoring the RNG) does not diverge.
-        total_samples: the sampler's bound; ``None``: ``len(dataset)``.
+        drop_last: drop a final partial batch (``None`` counts as ``True``).
+        global_batch_size: the ``"batch"`` sampler's global batch (required by it).
+        seed: seeds the ``"batch"`` sampler's shuffle and the loader's private generator (the workers' seeds);
+            ``None``: 0 for the generator. Making the iterator never draws from the global RNG, so a resumed run
+            (which makes it after restoring the RNG) does not diverge.
+
+    Raises:
+        RuntimeError: ``"batch"`` without ``global_batch_size``.
+        ValueError: an unsupported ``dataloader_type``.
     """
-    del data_sharding, global_batch_size  # read by the samplers this package does not provide
+    del data_sharding  # read by the "cyclic" sampler, which this package does not provide
     if dataset is None:
         return None
     if dataloader_type == "external":
         return dataset
-    if dataloader_type != "single":
-        raise ValueError(
-            f"dataloader_type={dataloader_type!r} is not supported: this package reads pretraining data with the "
-            "'single' sampler (or takes an 'external' loader as is)"
+    drop_last = True if drop_last is None else drop_last
+    if dataloader_type == "single":
+        sampler: Any = MegatronPretrainingSampler(
+            total_samples=len(dataset),
+            consumed_samples=consumed_samples,
+            micro_batch_size=micro_batch_size,
+            data_parallel_rank=data_parallel_rank,
+            data_parallel_size=data_parallel_size,
+            drop_last=drop_last,
         )
-    sampler = MegatronPretrainingSampler(
-        total_samples=len(dataset) if total_samples is None else total_samples,
-        consumed_samples=consumed_samples,
-        micro_batch_size=micro_batch_size,
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
-        drop_last=True if drop_last is None else drop_last,
-    )
+    elif dataloader_type == "batch":
+        if global_batch_size is None:
+            raise RuntimeError("dataloader_type='batch' needs global_batch_size: the sampler loads global batches")
+        sampler = MegatronPretrainingBatchSampler(
+            total_samples=len(dataset),
+            consumed_samples=consumed_samples,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            data_parallel_rank=data_parallel_rank,
+            data_parallel_size=data_parallel_size,
+            drop_last=drop_last,
+            pad_samples_to_global_batch_size=not drop_last,
+            seed=seed,
+        )
+    else:
+        raise ValueError(
+            f"dataloader_type={dataloader_type!r} is not supported: this package reads data with the 'single' or "
+            "'batch' sampler (or takes an 'external' loader as is)"
+        )
     return DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -171,4 +295,8 @@ def build_pretraining_data_loader(
     )
 
 
-__all__ = ["UNBOUNDED_SAMPLES", "MegatronPretrainingSampler", "build_pretraining_data_loader"]
+__all__ = [
+    "MegatronPretrainingBatchSampler",
+    "MegatronPretrainingSampler",
+    "build_pretraining_data_loader",
+]

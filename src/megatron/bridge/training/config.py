@@ -42,13 +42,8 @@ if TYPE_CHECKING:  # megatron-core classes: importing them here would import meg
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron.bridge.data.config import (
-        DataloaderConfig,
-        DatasetBuildContext,
-        DatasetProvider,
-        GPTDatasetConfig,
-        MockGPTDatasetConfig,
-    )
+    from megatron.bridge.data.base import DataloaderConfig, DatasetBuildContext, DatasetProvider
+    from megatron.bridge.data.config import GPTDatasetConfig, MockGPTDatasetConfig
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
 __all__ = [
@@ -86,9 +81,9 @@ __all__ = [
 _LAZY = {
     "OptimizerConfig": "megatron.core.optimizer",
     "DistributedDataParallelConfig": "megatron.core.distributed",
-    "DataloaderConfig": "megatron.bridge.data.config",
-    "DatasetBuildContext": "megatron.bridge.data.config",
-    "DatasetProvider": "megatron.bridge.data.config",
+    "DataloaderConfig": "megatron.bridge.data.base",
+    "DatasetBuildContext": "megatron.bridge.data.base",
+    "DatasetProvider": "megatron.bridge.data.base",
     "GPTDatasetConfig": "megatron.bridge.data.config",
     "MockGPTDatasetConfig": "megatron.bridge.data.config",
 }

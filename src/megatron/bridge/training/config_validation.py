@@ -169,8 +169,9 @@ def _validate_tokenizer(cfg: ConfigContainer, required: bool = False) -> None:
 
 
 def _validate_dataset(cfg: ConfigContainer) -> None:
+    from megatron.bridge.data.base import DatasetProvider
     from megatron.bridge.data.checks import check_dataset_files, is_mock
-    from megatron.bridge.data.config import DatasetProvider, GPTDatasetConfig
+    from megatron.bridge.data.config import GPTDatasetConfig
 
     d = cfg.dataset
     example = "MockGPTDatasetConfig(seq_length=..., random_seed=..., reset_position_ids=False, ...)"
@@ -205,10 +206,29 @@ def _validate_dataset(cfg: ConfigContainer) -> None:
 
 def _validate_loader(d: object) -> None:
     """The data-loader fields every dataset config has (``DataloaderConfig``)."""
-    if d.dataloader_type not in (None, "single"):
-        _fail("dataset.dataloader_type", f"{d.dataloader_type!r} is not supported", 'use "single" (or None)')
-    if not d.data_sharding:
-        _fail("dataset.data_sharding", "every data-parallel rank always reads its own share", "set it to True")
+    from megatron.bridge.data.base import DatasetProvider
+    from megatron.bridge.data.checks import is_mock
+
+    if d.dataloader_type == "cyclic":
+        _fail(
+            "dataset.dataloader_type",
+            "'cyclic' (shuffled epochs) serves Megatron-Bridge's fine-tuning datasets, which this package does not "
+            "provide",
+            'use "single" (or None), or "batch" for whole global batches',
+        )
+    if d.dataloader_type == "external" and not isinstance(d, DatasetProvider):
+        _fail(
+            "dataset.dataloader_type",
+            "'external' takes the datasets as ready-made loaders, which only a DatasetProvider returns (a GPT "
+            "dataset config gives samples, which would be read one at a time as batches)",
+            'use "single" (or None)',
+        )
+    if d.dataloader_type == "batch" and not isinstance(d, DatasetProvider) and is_mock(d):
+        _fail(
+            "dataset.dataloader_type",
+            "'batch' shuffles whole epochs, and the mock stream is endless",
+            'use "single" (or None) with mock data',
+        )
     if d.num_workers < 0:
         _fail("dataset.num_workers", f"must be >= 0, got {d.num_workers}", "use 0 or more workers")
 

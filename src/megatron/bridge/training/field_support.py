@@ -112,8 +112,12 @@ INERT: dict[str, str] = {
             "sp_tokenizer_kwargs",
         )
     },
-    "dataset.drop_last": "batches never run short: every split is built with a sample for each step the run takes",
     "dataset.trust_remote_code": "read only by HuggingFace datasets, and none is built here",
+    "dataset.data_sharding": "read only by the 'cyclic' sampler, which serves fine-tuning datasets not provided here",
+    **{
+        f"dataset.{name}": "no loader here saves a stream position: the checkpointed sample count is the position"
+        for name in ("dataloader_save", "dataloader_load")
+    },
     **{
         f"dataset.{name}": "megatron-core declares it, but none of its dataset code reads it"
         for name in ("data_parallel_size", "sequence_parallel_size", "context_parallel_size")

@@ -1,6 +1,7 @@
 """Entry point: ``pretrain(config, forward_step_func, callbacks)`` and the command-line wrapper of the examples."""
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -65,7 +66,7 @@ from megatron.bridge.training.rerun import RerunController, check_losses
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
-from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, ignore_in_worker
+from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler
 from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 from megatron.bridge.utils.process_start import process_start_time
@@ -139,7 +140,9 @@ def _pretrain(
     restart: Optional[RestartIteration] = None
     if inprocess_call_wrapper is not None:
         restart = begin_iteration(inprocess_call_wrapper, store, cfg.inprocess_restart)
-    from megatron.bridge.data.builders import build_train_valid_test_data_iterators, started
+    from megatron.bridge.data.builders import started
+    from megatron.bridge.data.loaders import setup_data_iterators
+    from megatron.bridge.data.utils import bind_provider_context, get_dataset_provider
 
     rank = int(os.environ.get("RANK", "0"))
     inprocess_iteration = restart.iteration if restart is not None else 0
@@ -261,27 +264,17 @@ def _pretrain(
 
         from megatron.core import parallel_state
 
-        evaluating = cfg.validation.eval_interval is not None or cfg.validation.skip_train
-        state.do_valid = evaluating
         # Training and validation streams, positioned by the samples consumed (a resumed run sees the same batches).
-        data_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(
-            cfg.dataset,
-            global_state.tokenizer,
-            train_samples=cfg.train.train_iters * cfg.train.global_batch_size,
-            valid_samples=_validation_samples(cfg) if evaluating else 0,
-            test_samples=0,
-            micro_batch_size=cfg.train.micro_batch_size,
-            eval_micro_batch_size=cfg.validation.eval_micro_batch_size,
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=parallel_state.get_data_parallel_world_size(),
-            consumed_train_samples=0 if "data" in checkpoints.skipped_restores else state.consumed_train_samples,
-            consumed_valid_samples=state.consumed_valid_samples,
-            worker_init_fn=(
-                functools.partial(ignore_in_worker, int(cfg.train.exit_signal))
-                if cfg.train.exit_signal_handler_for_dataloader
-                else None
-            ),
+        skipped = "data" in checkpoints.skipped_restores  # a drill's restore fault: read from the start
+        position = dataclasses.replace(state, consumed_train_samples=0) if skipped else state
+        data_provider = bind_provider_context(
+            get_dataset_provider(cfg.dataset), tokenizer=global_state.tokenizer, pg_collection=_process_groups()
         )
+        data_iterator, valid_iterator, _ = setup_data_iterators(
+            cfg, position, len(model), data_provider, parallel_state.get_data_parallel_group()
+        )
+        state.do_train = state.do_train and position.do_train  # steps remain, and there is training data
+        state.do_valid, state.do_test = position.do_valid, position.do_test
         data_iterator = started(data_iterator)  # loader workers start inside ``setup``, not the first step
         setup_done()
         eval_forward_step = prepare_forward_step_func(forward_step_func, global_state)  # training wraps it more
@@ -366,11 +359,16 @@ def per_chunk(iterator: Any, chunks: int, wrap: Callable[[Any], Any] = lambda it
     return [wrap(copy) for copy in itertools.tee(iterator, chunks)]
 
 
-def _validation_samples(cfg: ConfigContainer) -> int:
-    """Validation samples the whole run reads: ``eval_iters`` evaluation batches per evaluation."""
-    v = cfg.validation
-    evaluations = 1 if v.skip_train else cfg.train.train_iters // v.eval_interval + 1
-    return evaluations * v.eval_iters * (v.eval_global_batch_size or cfg.train.global_batch_size)
+def _process_groups() -> Any:
+    """The run's process groups as megatron-core's ``ProcessGroupCollection`` (what a dataset provider is given)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(),
+    )
 
 
 def _job_id() -> str:

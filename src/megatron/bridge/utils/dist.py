@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from megatron.bridge.utils import upstream
@@ -32,6 +33,25 @@ class BarrierTimeout(TimeoutError):
         super().__init__(message)
         self.missing = missing
         """The ranks that had not arrived."""
+
+
+def collective_device(local_rank: Optional[int] = None) -> torch.device:
+    """Where a collective's tensors live: a GPU for NCCL, the CPU for gloo and without a process group.
+
+    Args:
+        local_rank: the GPU of this rank under NCCL; ``None``: the current CUDA device.
+
+    Raises:
+        RuntimeError: the backend is neither NCCL nor gloo.
+    """
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda") if local_rank is None else torch.device("cuda", local_rank)
+    if backend == "gloo":
+        return torch.device("cpu")
+    raise RuntimeError(f"no collective device for the torch.distributed backend {backend!r} (use nccl or gloo)")
 
 
 def rank() -> int:

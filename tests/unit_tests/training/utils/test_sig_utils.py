@@ -13,7 +13,6 @@ from megatron.bridge.training.utils.sig_utils import (
     StopDeadline,
     all_gather_item,
     get_device,
-    ignore_in_worker,
 )
 
 
@@ -57,15 +56,6 @@ def test_handler_outside_the_main_thread_installs_nothing():
     thread.join()
     assert seen == [previous, (True, False)]  # nothing installed, yet leaving the with released it, once
     assert signal.getsignal(signal.SIGUSR2) is previous
-
-
-def test_ignore_in_worker_ignores_the_signal():
-    previous = signal.getsignal(signal.SIGUSR1)
-    try:
-        ignore_in_worker(signal.SIGUSR1, worker_id=0)
-        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_deadline_exits_with_its_code_unless_cancelled():

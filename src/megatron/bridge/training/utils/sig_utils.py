@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 def get_device(local_rank: Optional[int] = None) -> "torch.device":
-    """Where a collective's tensors live for the default group's backend: a GPU for NCCL, the CPU for gloo.
+    """Where a collective's tensors live: a GPU for NCCL, the CPU for gloo (``utils.dist.collective_device``).
 
     Args:
         local_rank: the GPU of this rank under NCCL; ``None``: the current CUDA device.
@@ -47,15 +47,9 @@ def get_device(local_rank: Optional[int] = None) -> "torch.device":
     Raises:
         RuntimeError: the backend is neither NCCL nor gloo.
     """
-    import torch
-    import torch.distributed as dist
+    from megatron.bridge.utils.dist import collective_device
 
-    backend = dist.get_backend()
-    if backend == "nccl":
-        return torch.device("cuda") if local_rank is None else torch.device("cuda", local_rank)
-    if backend == "gloo":
-        return torch.device("cpu")
-    raise RuntimeError(f"no collective device for the torch.distributed backend {backend!r} (use nccl or gloo)")
+    return collective_device(local_rank)
 
 
 def all_gather_item(
@@ -173,14 +167,6 @@ class DistributedSignalHandler:
             )
             os.kill(os.getpid(), self.sig)
         return True
-
-
-def ignore_in_worker(sig: int, worker_id: int = 0) -> None:
-    """``worker_init_fn`` for data-loader workers: ignore ``sig`` so that they live until the main process saves.
-
-    The main process stops its workers itself when it exits.
-    """
-    signal.signal(sig, signal.SIG_IGN)
 
 
 class StopDeadline:
