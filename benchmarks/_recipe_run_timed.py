@@ -23,8 +23,8 @@ def main() -> None:
     waits: list[float] = []
     get_batch = gpt_step.get_batch
 
-    def timed_get_batch(data_iterator, device):
-        return get_batch(TimedIterator(data_iterator, waits), device)
+    def timed_get_batch(data_iterator, *args, **kwargs):
+        return get_batch(TimedIterator(data_iterator, waits), *args, **kwargs)
 
     gpt_step.get_batch = timed_get_batch  # forward_step looks it up in its module at every call
     atexit.register(write_waits, waits, "framework")  # pretrain.main leaves through sys.exit: atexit runs

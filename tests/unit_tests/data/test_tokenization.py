@@ -73,6 +73,14 @@ def test_hf_end_of_document_token_may_be_named(tokenizer_json):
     named.hf_tokenizer_kwargs = {"trust_remote_code": True}
     with pytest.raises(ValueError, match="'trust_remote_code' is not honoured"):
         build_tokenizer(named)
+    named.hf_tokenizer_kwargs = {"use_fast": True, "eos_token": "<pad>"}  # Megatron-Bridge's flag, as it reads it
+    assert not named.tokenizer_hf_no_use_fast and build_tokenizer(named).eod == tok.eod
+    named.hf_tokenizer_kwargs = {"use_fast": False}
+    assert named.tokenizer_hf_no_use_fast
+    with pytest.raises(
+        ValueError, match=r"hf_tokenizer_kwargs\['use_fast'\]: is false, but a tokenizer.json is a fast"
+    ):
+        build_tokenizer(named)
 
 
 def test_hf_tokenizer_config_json_names_the_eos_token(tmp_path):

@@ -42,7 +42,11 @@ def test_published_recipes_take_no_argument_and_validate_with_their_defaults(rec
     assert cfg.checkpoint.save == str(tmp_path / "nemo_experiments" / "default" / "checkpoints")
     assert cfg.optimizer.use_distributed_optimizer and cfg.ddp.use_distributed_optimizer
     assert cfg.tokenizer.tokenizer_type == "NullTokenizer"  # nothing is downloaded: ids only, mock data
-    assert cfg.tokenizer.vocab_size == cfg.model.vocab_size == 128256
+    assert (cfg.tokenizer.vocab_size, cfg.model.vocab_size) == (32000, 128256)  # Megatron-Bridge's NullTokenizer
+    assert cfg.env_vars["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.adam_eps) == (3e-4, 3e-5, 1e-8)
+    assert cfg.scheduler.start_weight_decay == cfg.scheduler.end_weight_decay == 0.033
+    assert cfg.scheduler.lr_decay_iters == cfg.train.train_iters and cfg.scheduler.lr_warmup_iters == 2000
     assert cfg.dataset.blend is None
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (512, 1)
     assert (cfg.model.cross_entropy_loss_fusion, cfg.model.cross_entropy_fusion_impl) == (True, "te")

@@ -13,6 +13,7 @@ disagree on whether there is training, validation or test data (rank 0's answer 
 """
 
 import functools
+import json
 import logging
 import signal
 from collections.abc import Callable, Iterable, Iterator
@@ -38,6 +39,50 @@ def ignore_signal_in_worker(sig: int, worker_id: int = 0) -> None:
     saves; the main process stops them itself.
     """
     signal.signal(sig, signal.SIG_IGN)
+
+
+def get_blend_and_blend_per_split(
+    data_paths: Optional[list[str]] = None,
+    data_args_path: Optional[str] = None,
+    per_split_data_args_path: Optional[str] = None,
+    train_data_paths: Optional[list[str]] = None,
+    valid_data_paths: Optional[list[str]] = None,
+    test_data_paths: Optional[list[str]] = None,
+) -> tuple[Optional[Any], Optional[list[Any]]]:
+    """``(blend, blend_per_split)`` of a ``GPTDatasetConfig`` from lists of data paths; at most one is not ``None``.
+
+    A list is prefixes, or weights and prefixes interleaved (megatron-core's ``get_blend_from_list`` reads it).
+    ``data_paths`` or ``data_args_path`` (a file holding such a list, whitespace-separated) give one blend for all
+    splits; otherwise ``train/valid/test_data_paths`` or ``per_split_data_args_path`` (JSON: ``{"train": ...,
+    "valid": ..., "test": ...}``, each a list or a whitespace-separated string) give one per split.
+
+    Raises:
+        ValueError: both ``data_paths`` and ``data_args_path``, or a per-split file without one of its splits.
+        OSError: a file that cannot be read (its path is in the error).
+    """
+    from megatron.bridge.utils.cpu_shims import before_megatron_core_import
+
+    before_megatron_core_import()
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    if data_paths is not None and data_args_path is not None:
+        raise ValueError("give data_paths or data_args_path, not both (each names the whole blend)")
+    if data_args_path is not None:
+        with open(data_args_path) as f:
+            return get_blend_from_list(f.read().split()), None
+    if data_paths is not None:
+        return get_blend_from_list(data_paths), None
+    if per_split_data_args_path is not None:
+        with open(per_split_data_args_path) as f:
+            per_split = json.load(f)
+        missing = [split for split in ("train", "valid", "test") if split not in per_split]
+        if missing:
+            raise ValueError(f"{per_split_data_args_path} has no {missing[0]!r} entry (it needs train, valid and test)")
+        lists = [per_split[split] for split in ("train", "valid", "test")]
+        return None, [get_blend_from_list(p.split() if isinstance(p, str) else p) for p in lists]
+    if any(paths is not None for paths in (train_data_paths, valid_data_paths, test_data_paths)):
+        return None, [get_blend_from_list(paths) for paths in (train_data_paths, valid_data_paths, test_data_paths)]
+    return None, None
 
 
 def cyclic_iter(iterable: Iterable) -> Iterator:
@@ -276,6 +321,7 @@ __all__ = [
     "build_train_valid_test_data_loaders",
     "build_train_valid_test_datasets",
     "cyclic_iter",
+    "get_blend_and_blend_per_split",
     "get_train_valid_test_num_samples",
     "setup_data_iterators",
 ]

@@ -52,9 +52,10 @@ EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
 ``tokenizer_config.json``)."""
 PAD_TOKENS = ("<pad>", "<|pad|>", "[PAD]")
 """Padding tokens looked for likewise (optional: without one, megatron-core pads with an id no token has)."""
-HF_KWARGS = ("eos_token", "pad_token", "revision")
-"""The ``hf_tokenizer_kwargs`` honoured for a ``tokenizer.json``: which of its tokens end a document and pad, and the
-hub revision ``training.tokenizers.build_tokenizer`` resolved to the local path."""
+HF_KWARGS = ("eos_token", "pad_token", "revision", "use_fast")
+"""The ``hf_tokenizer_kwargs`` honoured for a ``tokenizer.json``: which of its tokens end a document and pad, the
+hub revision ``training.tokenizers.build_tokenizer`` resolved to the local path, and ``use_fast`` (true only: a
+``tokenizer.json`` is a fast tokenizer)."""
 NULL_LIBRARY = "null-text"
 """megatron-core's library name of its NullTokenizer from 0.17 on (0.16 calls it ``"null"``): the name reported on
 every release."""
@@ -191,6 +192,12 @@ def _huggingface_tokenizer(config: "TokenizerConfig") -> "LocalHuggingFaceTokeni
             "tokenizer.hf_tokenizer_kwargs",
             f"{unknown[0]!r} is not honoured for a tokenizer.json (only {', '.join(HF_KWARGS)})",
             "remove it",
+        )
+    if config.tokenizer_hf_no_use_fast:
+        fail(
+            "tokenizer.hf_tokenizer_kwargs['use_fast']",
+            "is false, but a tokenizer.json is a fast tokenizer and no slow one is built here",
+            "remove it, or set it to True",
         )
     tokenizer = LocalHuggingFaceTokenizer(
         str(config.tokenizer_model),

@@ -1,6 +1,7 @@
 """The pretraining config every recipe starts from (Megatron-Bridge's ``_pretrain_common``), for a given model.
 
-Megatron-Bridge's common defaults: adam with cosine decay (3e-4 to 3e-5, 500 warmup iterations), batches of 32 x 4096
+Megatron-Bridge's common defaults: adam with cosine decay (3e-4 to 3e-5, 500 warmup iterations; ``recipes.utils.
+optimizer_utils``, whose scheduler applies a constant weight decay of 0.033), batches of 32 x 4096
 tokens, mock data, a checkpoint and a validation every 500 iterations into ``./nemo_experiments/default``, the
 distributed optimizer with gradient reduction overlapped and in fp32. The tokenizer is the NullTokenizer with the
 model's vocabulary: nothing is downloaded, and ids from mock data always fit the embedding.
@@ -14,14 +15,13 @@ import os
 import torch
 
 from megatron.bridge.models import GPTModelProvider
+from megatron.bridge.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
 from megatron.bridge.training.config import (
     CheckpointConfig,
     ConfigContainer,
     GPTDatasetConfig,
     LoggerConfig,
-    OptimizerConfig,
     RNGConfig,
-    SchedulerConfig,
     TokenizerConfig,
     TrainingConfig,
     ValidationConfig,
@@ -36,24 +36,20 @@ def _pretrain_common(model: GPTModelProvider) -> ConfigContainer:
     model.bf16 = on_gpu
     model.params_dtype = torch.bfloat16 if on_gpu else torch.float32
     run_dir = os.path.join(os.getcwd(), "nemo_experiments", "default")
+    optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
+        precision="bf16-mixed" if on_gpu else "fp32",
+        lr_warmup_iters=500,
+        lr_decay_iters=None,  # validate() sets it to train.train_iters
+        max_lr=3e-4,
+        min_lr=3e-5,
+    )
+    optimizer.params_dtype = model.params_dtype
     return ConfigContainer(
         model=model,
         train=TrainingConfig(train_iters=300_000, global_batch_size=32, micro_batch_size=2),
         validation=ValidationConfig(eval_interval=500, eval_iters=32),
-        optimizer=OptimizerConfig(
-            optimizer="adam",
-            lr=3e-4,
-            min_lr=3e-5,
-            weight_decay=0.1,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            adam_eps=1e-5,
-            clip_grad=1.0,
-            bf16=on_gpu,
-            params_dtype=model.params_dtype,
-            use_distributed_optimizer=True,
-        ),
-        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=500, lr_decay_iters=None),
+        optimizer=optimizer,
+        scheduler=scheduler,
         ddp=DistributedDataParallelConfig(
             check_for_nan_in_grad=True,
             grad_reduce_in_fp32=True,

@@ -42,7 +42,6 @@ from megatron.bridge.training.checkpoint.discovery import (  # noqa: F401 - Mega
 )
 from megatron.bridge.training.checkpoint.local_tier import LocalTier, local_tier_of
 from megatron.bridge.training.checkpoint.resume import resolve_resume_path
-from megatron.bridge.training.checkpoint.run_config import to_plain
 from megatron.bridge.training.checkpoint.state_dict import (  # noqa: F401 - Megatron-Bridge's names, re-exported
     _build_sharded_state_dict_metadata,
     _generate_model_state_dict,
@@ -69,6 +68,7 @@ from megatron.bridge.training.utils.checkpoint_utils import (  # noqa: F401 - Me
     read_run_config,
     read_train_state,
 )
+from megatron.bridge.training.utils.config_utils import to_plain
 from megatron.bridge.utils.common_utils import print_rank_0
 from megatron.bridge.utils.cpu_shims import training_on_cpu
 from megatron.bridge.utils.dist import all_gather_object, barrier, broadcast_from_rank0, on_rank0, rank, world_size

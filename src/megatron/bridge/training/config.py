@@ -235,7 +235,7 @@ class SchedulerConfig:
 
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
     """Shape of the learning-rate decay after warmup."""
-    lr_wsd_decay_style: Literal["exponential", "linear", "cosine"] = "exponential"
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """Shape of the final anneal of a ``WSD`` (warmup-stable-decay) schedule."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the rate decays; ``None``: ``train.train_iters``."""
@@ -558,6 +558,36 @@ class ConfigContainer:
     """Faults injected for tests and drills (this framework's)."""
     data_parallel_size: Optional[int] = field(default=None, init=False)
     """Data-parallel replicas for the world size validated against (filled in by ``validate()``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain values: each section a mapping naming its class in ``_target_``."""
+        from megatron.bridge.training.utils.config_utils import to_plain
+
+        return to_plain(self)
+
+    def to_yaml(self, yaml_path: Optional[str] = None) -> None:
+        """Write :meth:`to_dict` as YAML to ``yaml_path`` (atomically), or print it when ``None``."""
+        from megatron.bridge.training.utils.config_utils import write_yaml
+
+        write_yaml(self.to_dict(), yaml_path)
+
+    def print_yaml(self) -> None:
+        """Print the config as YAML."""
+        self.to_yaml()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any]) -> "ConfigContainer":
+        """The config :meth:`to_dict` wrote, built again (``utils.config_utils.from_plain``)."""
+        from megatron.bridge.training.utils.config_utils import from_plain
+
+        return from_plain({**config_dict, "_target_": f"{cls.__module__}.{cls.__qualname__}"})
+
+    @classmethod
+    def from_yaml(cls, yaml_path: str) -> "ConfigContainer":
+        """The config a :meth:`to_yaml` file (or a checkpoint's ``run_config.yaml``) holds, built again."""
+        from megatron.bridge.training.utils.config_utils import read_yaml
+
+        return cls.from_dict(read_yaml(yaml_path))
 
     def get_data_parallel_size(self, world_size: int) -> int:
         """Data-parallel replicas among ``world_size`` ranks (the active ones with in-process restart's reserves)."""

@@ -9,7 +9,6 @@ import torch
 import yaml
 
 from megatron.bridge.training.checkpoint import contents, layout, manifest
-from megatron.bridge.training.checkpoint.run_config import to_plain
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.utils.checkpoint_utils import (
     checkpoint_exists,
@@ -19,6 +18,7 @@ from megatron.bridge.training.utils.checkpoint_utils import (
     read_run_config,
     read_train_state,
 )
+from megatron.bridge.training.utils.config_utils import to_plain
 
 
 def _save(root: str, iteration: int, run_config=None, with_train_state: bool = True) -> None:

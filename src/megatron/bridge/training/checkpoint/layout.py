@@ -135,15 +135,17 @@ def write_iteration_files(ckpt_dir: str, train_state: dict[str, Any], run_config
     Args:
         ckpt_dir: the save's temporary directory.
         train_state: ``TrainState.state_dict()`` at the save's step.
-        run_config: the run's configuration as plain values (``checkpoint/run_config.py``), or ``None``.
+        run_config: the run's configuration as plain values (``ConfigContainer.to_dict()``), or ``None``: Megatron-
+            Bridge's tools read a checkpoint's settings from it (``checkpoint_utils.read_run_config``). It is read,
+            never executed: loading a checkpoint here never builds anything from it.
     """
-    from megatron.bridge.training.checkpoint.run_config import write_run_config
+    from megatron.bridge.training.utils.config_utils import write_yaml
 
     buffer = io.BytesIO()
     torch.save(train_state_tensors(train_state), buffer)
     fs.atomic_write(get_checkpoint_train_state_filename(ckpt_dir), buffer.getvalue(), durable=False)
     if run_config is not None:
-        write_run_config(get_checkpoint_run_config_filename(ckpt_dir), run_config)
+        write_yaml(run_config, get_checkpoint_run_config_filename(ckpt_dir))
 
 
 def sync_latest_train_state(root: str, iteration: int) -> None:

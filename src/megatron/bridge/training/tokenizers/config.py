@@ -81,3 +81,18 @@ class TokenizerConfig:
     HuggingFace cache)."""
     sp_tokenizer_kwargs: Optional[dict[str, Any]] = field(default_factory=dict)
     """More keyword arguments for a SentencePiece tokenizer."""
+
+    @property
+    def tokenizer_hf_no_use_fast(self) -> bool:
+        """Whether ``hf_tokenizer_kwargs["use_fast"]`` is false (megatron-core's flat name; refused when built)."""
+        return not (self.hf_tokenizer_kwargs or {}).get("use_fast", True)
+
+    @property
+    def tokenizer_hf_no_include_special_tokens(self) -> bool:
+        """Whether ``hf_tokenizer_kwargs["include_special_tokens"]`` is false (megatron-core's flat name)."""
+        return not (self.hf_tokenizer_kwargs or {}).get("include_special_tokens", True)
+
+    @property
+    def tokenizer_sentencepiece_legacy(self) -> bool:
+        """``sp_tokenizer_kwargs["legacy"]`` (megatron-core's flat name)."""
+        return bool((self.sp_tokenizer_kwargs or {}).get("legacy", False))

@@ -3,7 +3,8 @@
 ``<model>_pretrain_<gpus>gpu_h100_bf16_config``: the GPU count is the smallest the recipe's parallelism fills. Each
 function takes no argument and returns a ``ConfigContainer`` with Megatron-Bridge's defaults for that model: batches
 of 512 x 8192 tokens, 1,168,251 iterations, 2,000 warmup iterations, a validation every 2,000 and a checkpoint every
-500 iterations; change any field afterwards, or with dotted overrides (``recipes/run.py``).
+500 iterations, the ``NullTokenizer`` with ``DEFAULT_NULL_TOKENIZER_VOCAB_SIZE`` ids and ``COMMON_RECIPE_ENV_VARS``;
+change any field afterwards, or with dotted overrides (``recipes/run.py``).
 
 The model config is this package's Llama provider of that size (``models/llama/``), built offline: Megatron-Bridge
 reads it from the model's Hugging Face config, which needs the network. The fused cross entropy is Transformer
@@ -22,6 +23,8 @@ from megatron.bridge.models.llama import (
     LlamaModelProvider,
 )
 from megatron.bridge.recipes.common import _pretrain_common
+from megatron.bridge.recipes.utils.environment_utils import COMMON_RECIPE_ENV_VARS
+from megatron.bridge.recipes.utils.tokenizer_utils import DEFAULT_NULL_TOKENIZER_VOCAB_SIZE
 from megatron.bridge.training.config import ConfigContainer
 
 SEQUENCE_LENGTH_8K = 8192
@@ -55,6 +58,8 @@ def _llama3_pretrain(
     cfg.validation.eval_interval = 2000
     cfg.scheduler.lr_warmup_iters = 2000
     cfg.checkpoint.save_interval = 500
+    cfg.tokenizer.vocab_size = DEFAULT_NULL_TOKENIZER_VOCAB_SIZE  # mock token ids: every Llama vocabulary holds them
+    cfg.env_vars = {**COMMON_RECIPE_ENV_VARS}
     return cfg
 
 
