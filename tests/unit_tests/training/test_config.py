@@ -607,7 +607,7 @@ def test_runtime_config_update_sets_env_vars_the_process_lacks(monkeypatch):
         apply_environment_variables(cfg)
 
 
-def _data_iterators(cfg, dp_rank=0, dp_size=1):
+def _data_iterators(cfg, dp_rank=0, dp_size=1, consumed=0):
     """The run's data iterators as training set-up builds them, on rank ``dp_rank`` of ``dp_size`` (patched in)."""
     from unittest import mock
 
@@ -621,7 +621,8 @@ def _data_iterators(cfg, dp_rank=0, dp_size=1):
     )
     with mock.patch("torch.distributed.get_rank", return_value=dp_rank):
         with mock.patch("torch.distributed.get_world_size", return_value=dp_size):
-            return build_train_valid_test_data_iterators(cfg, TrainState(), provider, dp_group=None)
+            state = TrainState(consumed_train_samples=consumed)
+            return build_train_valid_test_data_iterators(cfg, state, provider, dp_group=None)
 
 
 def test_a_dataset_provider_builds_the_splits_the_loader_reads(tmp_path):
@@ -656,6 +657,9 @@ def test_a_dataset_provider_builds_the_splits_the_loader_reads(tmp_path):
     firsts = [next(train)["tokens"][:, 0].tolist() for _ in range(4)]
     assert all(len(rows) == 2 for rows in firsts)
     assert len({i for rows in firsts for i in rows}) == 8  # the 8 samples of one global batch, each once
+    uninterrupted = [next(train)["tokens"][:, 0].tolist() for _ in range(8)]  # global batches 2 and 3
+    resumed = _data_iterators(cfg, consumed=8)[0]  # a run resumed after its first step (8 samples)
+    assert [next(resumed)["tokens"][:, 0].tolist() for _ in range(8)] == uninterrupted
 
 
 def test_evaluation_batch_sizes_default_to_training_and_reach_the_validation_loader():

@@ -251,28 +251,21 @@ def build_pretraining_data_loader(
     if dataloader_type == "external":
         return dataset
     drop_last = True if drop_last is None else drop_last
+    where = {
+        "total_samples": len(dataset),
+        "consumed_samples": consumed_samples,
+        "micro_batch_size": micro_batch_size,
+        "data_parallel_rank": data_parallel_rank,
+        "data_parallel_size": data_parallel_size,
+        "drop_last": drop_last,
+    }
     if dataloader_type == "single":
-        sampler: Any = MegatronPretrainingSampler(
-            total_samples=len(dataset),
-            consumed_samples=consumed_samples,
-            micro_batch_size=micro_batch_size,
-            data_parallel_rank=data_parallel_rank,
-            data_parallel_size=data_parallel_size,
-            drop_last=drop_last,
-        )
+        sampler: Any = MegatronPretrainingSampler(**where)
     elif dataloader_type == "batch":
         if global_batch_size is None:
             raise RuntimeError("dataloader_type='batch' needs global_batch_size: the sampler loads global batches")
         sampler = MegatronPretrainingBatchSampler(
-            total_samples=len(dataset),
-            consumed_samples=consumed_samples,
-            micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size,
-            data_parallel_rank=data_parallel_rank,
-            data_parallel_size=data_parallel_size,
-            drop_last=drop_last,
-            pad_samples_to_global_batch_size=not drop_last,
-            seed=seed,
+            **where, global_batch_size=global_batch_size, pad_samples_to_global_batch_size=not drop_last, seed=seed
         )
     else:
         raise ValueError(
