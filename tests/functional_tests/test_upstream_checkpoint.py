@@ -13,6 +13,8 @@ import torch
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import REPO, assert_same_state, checkpoint_state, tail, torchrun
 
+from megatron.bridge.training.checkpoint.verify_cli import main as verify_main
+from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.utils.checkpoint_utils import (
     checkpoint_exists,
     get_checkpoint_name,
@@ -39,6 +41,7 @@ def test_megatron_bridge_checkpoint_resumes_bit_identically(reference_tp1, tmp_p
     assert (upstream / "latest_checkpointed_iteration.txt").read_text() == "6"
     common = {key for key in checkpoint_state(written) if key.startswith("common.")}
     assert not common & {"common.megatron_bridge_resiliency", "common.rng_bytes"}, common  # nothing of ours
+    assert verify_main([str(upstream)]) == 3  # written elsewhere: unverifiable, not damaged
 
     resumed = torchrun(upstream)
     assert resumed.exit_code == 0, tail(resumed)
@@ -56,5 +59,9 @@ def test_megatron_bridge_checkpoint_resumes_bit_identically(reference_tp1, tmp_p
     assert read_train_state(get_checkpoint_train_state_filename(ours)).step == 12
     run_config = read_run_config(get_checkpoint_run_config_filename(ours))
     assert run_config["checkpoint"]["save_interval"] == 3 and run_config["train"]["train_iters"] == 12
+    assert ConfigContainer.from_yaml(get_checkpoint_run_config_filename(ours)).to_dict() == run_config
+    assert verify_main([ours]) == 0
+    os.remove(os.path.join(ours, "manifest.json"))  # ours without its manifest is damaged, never "foreign"
+    assert verify_main([ours]) == 1
     saved = torch.load(get_checkpoint_train_state_filename(ours), weights_only=True)
     assert all(isinstance(value, torch.Tensor) for value in saved.values())

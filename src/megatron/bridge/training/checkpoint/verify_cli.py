@@ -2,7 +2,9 @@
 
 ``DIR`` is either one checkpoint (``.../iter_0000100``) or a save directory, in which case the checkpoint named by
 the tracker is checked (every committed one with ``--all``). Exit status 0 means every checked checkpoint matches
-its manifest; 1 means at least one does not; 2 means nothing to check.
+its manifest; 1 means at least one does not (a checkpoint of this package without its manifest is damaged); 2 means
+nothing to check; 3 means some were written elsewhere (Megatron-Bridge, a conversion tool) without a manifest, so
+they could not be verified, and every other one matched.
 """
 
 import argparse
@@ -10,11 +12,15 @@ import logging
 import os
 import sys
 
-from megatron.bridge.training.checkpoint import layout, manifest
+from megatron.bridge.training.checkpoint import contents, layout, manifest
+from megatron.bridge.training.checkpoint.names import is_checkpoint_iteration_directory
+
+UNVERIFIED = 3
+"""Exit status when some checkpoints could not be verified (written elsewhere, no manifest) and none failed."""
 
 
 def _targets(path: str, check_all: bool) -> list[str]:
-    if os.path.exists(os.path.join(path, manifest.MANIFEST_NAME)):
+    if os.path.exists(os.path.join(path, manifest.MANIFEST_NAME)) or is_checkpoint_iteration_directory(path):
         return [path]
     iterations = layout.committed_iterations(path)
     if not check_all:
@@ -35,8 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     if not targets:
         print(f"no checkpoint found in {args.path}", file=sys.stderr)
         return 2
-    failed = 0
+    failed = unverified = 0
     for target in targets:
+        if contents.foreign_without_manifest(target) is not None:
+            unverified += 1
+            print(
+                f"UNVERIFIED {target}: written elsewhere, without a {manifest.MANIFEST_NAME}: nothing to check against"
+            )
+            continue
         problems = manifest.verify_dir(target)
         if problems:
             failed += 1
@@ -45,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {problem}")
         else:
             print(f"OK     {target} ({len(manifest.read_manifest(target))} files)")
-    return 1 if failed else 0
+    return 1 if failed else UNVERIFIED if unverified else 0
 
 
 if __name__ == "__main__":
