@@ -33,7 +33,7 @@ from typing import Any
 
 PREFIX = "BENCHMARK_RESULT "
 NO_TARGET = "n/a"
-FIELDS = ("benchmark", "metric", "ratio", "measured", "baseline", "target", "met", "tried")
+FIELDS = ("benchmark", "metric", "ratio", "measured", "baseline", "target", "met", "tried", "spread")
 FIXED_GOAL = "fixed goal, not measured in this run"
 """The ``baseline`` of a line held to a fixed goal (:func:`format_goal`)."""
 _LINE = re.compile(r"^" + PREFIX.strip() + r"\s+(.*)$")
@@ -76,6 +76,7 @@ def format_result(
     target: str = NO_TARGET,
     met: bool | None = None,
     tried: bool = True,
+    spread: float | None = None,
 ) -> str:
     """One result line: ``PREFIX`` followed by a JSON object with the fields of ``FIELDS``.
 
@@ -88,6 +89,8 @@ def format_result(
         target: ``"<= X"``, ``">= X"`` or ``"n/a"`` when the script has no explicit target.
         met: Whether the target is met; computed from ``target`` when None.
         tried: False for something the benchmark could not try (:func:`format_not_tried`).
+        spread: How much the ratio moves between runs of the same code on the same machine, in the ratio's units,
+            when the benchmark measured it (several rounds); the report's history check uses it.
 
     Returns:
         The line, without a trailing newline.
@@ -103,6 +106,7 @@ def format_result(
         "target": target,
         "met": met,
         "tried": tried,
+        "spread": _round(spread),
     }
     return PREFIX + json.dumps(record)
 
@@ -180,4 +184,7 @@ def parse_result(line: str) -> dict[str, Any] | None:
     record.setdefault("met", None)
     if not isinstance(record.setdefault("tried", True), bool):
         raise ValueError(f"result line has a non-boolean 'tried': {payload[:200]!r}")
+    spread = record.setdefault("spread", None)
+    if spread is not None and not isinstance(spread, int | float):
+        raise ValueError(f"result line has a non-numeric spread: {payload[:200]!r}")
     return {key: record[key] for key in FIELDS}

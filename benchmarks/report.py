@@ -6,9 +6,10 @@ the other, as a subprocess of the same Python with its default arguments. Each e
 the table. A script that fails, times out or prints no result line gets a row saying so, and this script then exits
 with status 1. What a benchmark has no result for (a drill that could not set up its fault here, or that failed,
 with why) is a row marked "not tried" and is listed again under the table, so a shorter table never goes
-unexplained. Progress
-(which script, elapsed seconds) and each script's human-readable output go to stderr; the markdown goes to stdout
-(and to ``--output`` when given). A whole run takes 10-25 minutes on a 2-core CPU machine.
+unexplained. Each figure is compared with the last one recorded on this machine and then recorded
+(``benchmarks/history.jsonl``, ``_history.py``); one worse by more than its run-to-run spread is marked **WORSE**.
+Progress (which script, elapsed seconds) and each script's human-readable output go to stderr; the markdown goes to
+stdout (and to ``--output`` when given). A whole run takes 10-25 minutes on a 2-core CPU machine.
 
     python benchmarks/report.py [--only save_blocking,hang_detection] [--output report.md] [--timeout 1800]
     python benchmarks/report.py --list
@@ -23,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import _history as history
 from _process import kill_tree
 from _result import FIELDS, PREFIX, parse_result
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-COLUMNS = ("benchmark", "metric", "measured", "baseline", "ratio", "target", "met")
+COLUMNS = ("benchmark", "metric", "measured", "baseline", "ratio", "target", "met", history.COMPARISON)
 
 
 @dataclass
@@ -210,6 +212,12 @@ def machine_info() -> list[tuple[str, str]]:
     return [*info, ("git commit", record.commit), ("date", record.date)]
 
 
+def _machine_key(info: list[tuple[str, str]]) -> str:
+    """What makes figures comparable across runs: the CPU and the GPU."""
+    values = dict(info)
+    return f"{values.get('CPU', '?')} / {values.get('GPU', '?')}"
+
+
 def not_tried(rows: list[dict[str, Any]]) -> list[str]:
     """One line per row a benchmark could not try: ``benchmark: what: why``."""
     return [f"{row['benchmark']}: {row['metric']}: {row['measured']}" for row in rows if not row.get("tried", True)]
@@ -256,6 +264,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="also write the markdown report to this file")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a benchmark is killed")
     parser.add_argument("--list", action="store_true", help="list the discovered benchmarks and exit")
+    parser.add_argument("--history", type=Path, default=history.HISTORY, help="the history file (_history.py)")
+    parser.add_argument("--no-record", action="store_true", help="compare with the history, but add nothing to it")
     return parser.parse_args(argv)
 
 
@@ -276,10 +286,24 @@ def main(argv: list[str] | None = None) -> int:
         _echo_output(run, sys.stderr)
         runs.append(run)
         rows += rows_for(run)
-    report = format_report(rows, runs, machine_info())
+    info = machine_info()
+    machine, commit, date = _machine_key(info), dict(info).get("git commit", "?"), dict(info).get("date", "?")
+    past = history.load(args.history)
+    for row in rows:
+        row[history.COMPARISON] = history.compare(row, past, machine)
+    report = format_report(rows, runs, info)
     print(report, end="")
     if args.output:
         args.output.write_text(report)
+    if not args.no_record:
+        count = history.record(rows, machine, commit, date, args.history)
+        print(f"report.py: {count} figure(s) recorded in {args.history}", file=sys.stderr)
+    worse = [row for row in rows if str(row.get(history.COMPARISON, "")).startswith("**WORSE**")]
+    if worse:
+        names = ", ".join(f"{row['benchmark']}: {row['metric']}" for row in worse)
+        print(
+            f"report.py: {len(worse)} figure(s) worse than last recorded beyond their spread: {names}", file=sys.stderr
+        )
     untried = not_tried(rows)
     if untried:
         print(f"report.py: {len(untried)} thing(s) not tried here, or failed (under the table)", file=sys.stderr)

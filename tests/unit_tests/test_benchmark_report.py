@@ -56,6 +56,7 @@ def test_format_then_parse_round_trips(result):
         "target": "<= 0.10",
         "met": True,
         "tried": True,
+        "spread": None,
     }
 
 
@@ -107,6 +108,7 @@ def test_parse_fills_optional_fields_and_tolerates_whitespace(result):
         "target": "n/a",
         "met": None,
         "tried": True,
+        "spread": None,
     }
 
 
@@ -211,13 +213,13 @@ def test_table_has_one_line_per_row_in_column_order(report, result):
         report.failure_row("hang_detection", "exit code 1: boom"),
     ]
     lines = report.format_table(rows).splitlines()
-    assert lines[0] == "| benchmark | metric | measured | baseline | ratio | target | met |"
-    assert lines[1] == "|---|---|---|---|---|---|---|"
+    assert lines[0] == "| benchmark | metric | measured | baseline | ratio | target | met | vs last recorded |"
+    assert lines[1] == "|---|---|---|---|---|---|---|---|"
     assert len(lines) == 5
-    assert lines[2] == "| save_blocking | async / sync | 0.012 s | 0.171 s | 0.0712 | n/a | n/a |"
-    assert lines[3] == "| local | global / local | a | b | 4 | >= 5 | **no** |"
+    assert lines[2] == "| save_blocking | async / sync | 0.012 s | 0.171 s | 0.0712 | n/a | n/a |  |"
+    assert lines[3] == "| local | global / local | a | b | 4 | >= 5 | **no** |  |"
     assert lines[4].startswith("| hang_detection | FAILED: exit code 1: boom |")
-    assert lines[4].endswith("| n/a |  | **FAILED** |")
+    assert lines[4].endswith("| n/a |  | **FAILED** |  |")
 
 
 def test_what_was_not_tried_is_marked_in_the_table_and_listed_under_it(report, result):
@@ -226,8 +228,8 @@ def test_what_was_not_tried_is_marked_in_the_table_and_listed_under_it(report, r
     rows = report.rows_for(_run(report, f"{tried}\n{untried}\n", name="environment_faults"))
     assert not any(row.get("failed") for row in rows)
     table = report.format_table(rows).splitlines()
-    assert table[2].endswith("| n/a | <= 60 s | yes |")
-    assert table[3].endswith("| **not tried** |")
+    assert table[2].endswith("| n/a | <= 60 s | yes |  |")
+    assert table[3].endswith("| **not tried** |  |")
     text = report.format_report(rows, [_run(report, name="environment_faults")], [("hostname", "h1")])
     assert "Not tried here, or failed (1):" in text
     assert "- environment_faults: test_host_faults::test_oom: skipped: needs root" in text
@@ -238,7 +240,7 @@ def test_table_cells_escape_pipes_and_newlines(report):
     row = report.failure_row("b", "exit code 1: a | b\nsecond line")
     cells = report.format_table([row]).splitlines()[2]
     assert "a \\| b second line" in cells
-    assert cells.count(" | ") == 6  # seven cells: the escaped pipe does not split a cell
+    assert cells.count(" | ") == 7  # eight cells: the escaped pipe does not split a cell
 
 
 def test_report_has_table_wall_time_and_machine_section(report, result):
@@ -356,12 +358,57 @@ def test_main_reports_every_script_and_exits_non_zero_when_one_fails(report, tmp
     monkeypatch.setattr(report, "discover", lambda: [bad, good])
     monkeypatch.setattr(report, "machine_info", lambda: [("hostname", "test-host")])
     output = tmp_path / "report.md"
-    assert report.main(["--output", str(output)]) == 1
+    history = tmp_path / "history.jsonl"
+    assert report.main(["--output", str(output), "--history", str(history)]) == 1
     captured = capsys.readouterr()
     assert captured.out == output.read_text()
     table = [line for line in captured.out.splitlines() if line.startswith("| bad") or line.startswith("| good")]
     assert table[0].startswith("| bad | FAILED: exit code 1: training failed (1) |")
-    assert table[1] == "| good | m |  |  | 0.5 | n/a | n/a |"
+    assert table[1] == "| good | m |  |  | 0.5 | n/a | n/a | first record |"
     assert "- hostname: test-host" in captured.out
     assert "1 benchmark(s) failed or printed no result: bad" in captured.err
-    assert report.main(["--only", "good"]) == 0
+    assert report.main(["--only", "good", "--history", str(history), "--no-record"]) == 0
+    assert [json.loads(line)["benchmark"] for line in history.read_text().splitlines()] == ["good"]  # bad: no figure
+
+
+# --- history --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def history():
+    return _load("_history")
+
+
+def _row(result, ratio, target="<= 0.1", spread=None, metric="m"):
+    return result.parse_result(result.format_result("b", metric, ratio, "x", "y", target, spread=spread))
+
+
+def test_a_figure_worse_than_the_last_by_more_than_its_spread_is_marked(history, result, tmp_path):
+    path = tmp_path / "history.jsonl"
+    assert history.compare(_row(result, 0.05), history.load(path), "cpu") == "first record"
+    history.record([_row(result, 0.05)], "cpu", "aaaaaaaa1", "d1", path)
+    assert "spread unknown" in history.compare(_row(result, 0.09), history.load(path), "cpu")
+    assert history.compare(_row(result, 0.09, spread=0.01), history.load(path), "cpu").startswith("**WORSE**")
+    assert history.compare(_row(result, 0.055, spread=0.01), history.load(path), "cpu").startswith("same")
+    assert history.compare(_row(result, 0.01, spread=0.01), history.load(path), "cpu").startswith("better")
+    history.record([_row(result, 0.06)], "cpu", "bbbbbbbb2", "d2", path)  # two records: their range is the spread
+    verdict = history.compare(_row(result, 0.08), history.load(path), "cpu")
+    assert verdict.startswith("**WORSE**") and "last 0.06 (bbbbbbbb)" in verdict and "spread 0.01" in verdict
+    assert history.compare(_row(result, 0.065), history.load(path), "cpu").startswith("same")
+    assert history.compare(_row(result, 0.5), history.load(path), "another machine") == "first record"
+    higher_better = _row(result, 3.0, target=">= 5", spread=0.1, metric="speed")
+    history.record([_row(result, 4.0, target=">= 5", metric="speed")], "cpu", "c", "d", path)
+    assert history.compare(higher_better, history.load(path), "cpu").startswith("**WORSE**")
+    assert "not judged" in history.compare(_row(result, 1.0, target="n/a"), history.load(path), "cpu")
+
+
+def test_fixed_goal_times_are_recorded_and_untried_rows_are_not(history, result, tmp_path):
+    path = tmp_path / "history.jsonl"
+    goal = result.parse_result(result.format_goal("env", "held port: detection", 0.8, 60.0))
+    untried = result.parse_result(result.format_not_tried("env", "oom", "skipped: needs root"))
+    assert history.value_of(goal) == 0.8 and history.value_of(untried) is None
+    assert history.record([goal, untried], "cpu", "c", "d", path) == 1
+    assert [r["metric"] for r in history.load(path)] == [goal["metric"]]
+    path.write_text("{broken\n")
+    with pytest.raises(ValueError, match="history.jsonl:1 is not a JSON line"):
+        history.load(path)
