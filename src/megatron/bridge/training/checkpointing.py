@@ -611,6 +611,9 @@ class CheckpointManager:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
         strategy = get_default_save_sharded_strategy(self.cfg.ckpt_format)
+        if self.cfg.ckpt_assume_constant_structure and hasattr(strategy, "use_cached_ckpt_structure"):
+            # megatron-core checks on the second save that the plan did not change, then reuses it: no plan exchange
+            strategy.use_cached_ckpt_structure = True
         if self.cfg.fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1:
             strategy = FullyParallelSaveStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True), True

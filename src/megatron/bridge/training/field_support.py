@@ -44,7 +44,6 @@ REFUSED: dict[str, str] = {
     "checkpoint.pretrained_checkpoint": "finetuning from a checkpoint is not implemented",
     "checkpoint.use_checkpoint_args": "model arguments always come from the config",
     "checkpoint.fully_parallel_load": "fully parallel loading is not implemented",
-    "checkpoint.ckpt_assume_constant_structure": "megatron-core's save-plan caching is not wired in",
     "checkpoint.use_persistent_ckpt_worker": "asynchronous saves always use one persistent writer process",
     # dataset
     "dataset.inter_document_masking": "per-document attention (the samples' cu_seqlens) is not passed to the model",
