@@ -169,9 +169,8 @@ def _blends_datasets(cfg: Any) -> bool:
 class Samples(Dataset):
     """A split's samples by index, holding only the batch keys (:data:`BATCH_KEYS`)."""
 
-    def __init__(self, dataset: Dataset, split: str) -> None:
+    def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
-        self.split = split
         self.length = len(dataset)
 
     def __len__(self) -> int:

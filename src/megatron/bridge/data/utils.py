@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 from megatron.bridge.data.builders import Samples, build_gpt_datasets
-from megatron.bridge.data.checks import SPLITS, is_mock
+from megatron.bridge.data.checks import is_mock
 from megatron.bridge.data.config import GPTDatasetConfig
 from megatron.bridge.data.mock import MockGPTDataset
 
@@ -47,8 +47,7 @@ def pretrain_train_valid_test_datasets_provider(
         )
     built = build_gpt_datasets(dataset_config, tokenizer, *counts)
     return tuple(  # type: ignore[return-value]
-        Samples(dataset, name) if dataset is not None and n > 0 else None
-        for name, dataset, n in zip(SPLITS, built, counts)
+        Samples(dataset) if dataset is not None and n > 0 else None for dataset, n in zip(built, counts)
     )
 
 

@@ -1,6 +1,7 @@
 """A config written as YAML and read back: the same config, or an error naming what cannot be restored."""
 
 import functools
+import os
 import signal
 
 import pytest
@@ -56,4 +57,5 @@ def test_print_yaml_and_bad_files(tmp_path, capsys):
         from_plain({"_target_": "nowhere.Config"})
     with pytest.raises(ValueError, match="is not a dataclass; only config classes are built"):
         from_plain({"_target_": "os.system"})
-    assert resolve("torch.float32") is torch.float32 and from_plain({"_target_": "os.getcwd", "_call_": False})
+    assert resolve("torch.float32") is torch.float32
+    assert from_plain({"_target_": "os.getcwd", "_call_": False}) is os.getcwd
