@@ -68,10 +68,13 @@ from megatron.bridge.training.train import TrainContext, train
 from megatron.bridge.training.utils.overrides import apply_overrides
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler
 from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
+from megatron.bridge.utils.dist import BarrierTimeout, barrier
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 from megatron.bridge.utils.process_start import process_start_time
 
 logger = logging.getLogger(__name__)
+
+_LEAVE_TOGETHER_TIMEOUT_S = 120.0  # how long a rank that stopped waits for its peers to stop too
 
 
 def pretrain(
@@ -331,6 +334,7 @@ def _pretrain(
                 rerun.transient_errors,
             )
         logger.info("training stopped at iteration %d: %s (exit code %d)", state.step, reason, int(code))
+        _leave_together(code)
         return code
     except BaseException as err:
         signals.unwinding = err  # a preemption signal from now on finds no step boundary: it ends the process
@@ -346,6 +350,19 @@ def _pretrain(
         # Not under the wrapper's atomic(): its monitor thread holds that lock for soft_timeout after raising the
         # restart into this thread. A step the restart interrupts runs again in the wrapper's finalize step.
         teardown()
+
+
+def _leave_together(code: ExitCode) -> None:
+    """Wait until every rank has logged its stop before any rank exits.
+
+    A launcher ends the other workers as soon as one exits with a non-zero code (an early stop's code): a rank still
+    finishing its last save or its log lines would be killed mid-way. Bounded, so a peer lost after training cannot
+    hold the exit.
+    """
+    try:
+        barrier(timeout=_LEAVE_TOGETHER_TIMEOUT_S, name="training stopped")
+    except BarrierTimeout as err:
+        logger.warning("leaving with exit code %d without waiting for every rank: %s", int(code), err)
 
 
 def per_chunk(iterator: Any, chunks: int, wrap: Callable[[Any], Any] = lambda it: it) -> Any:
