@@ -56,20 +56,20 @@ def write_waits(waits: list[float], name: str) -> None:
         Path(out, f"{name}_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(waits))
 
 
-def _select_device(pin_cores: bool):
-    """This rank's device, chosen at run time: its local GPU, else the CPU (optionally its share of the cores)."""
+def _select_device():
+    """This rank's device, chosen at run time: its local GPU, else the CPU (its share of the cores)."""
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    if pin_cores:  # what the framework does on CPU (initialize.bind_cpu_cores): a core slice per local rank
-        cores = sorted(os.sched_getaffinity(0))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        share = len(cores) // max(local_world, 1)
-        if local_world > 1 and share >= 1:
-            os.sched_setaffinity(0, cores[local_rank * share : (local_rank + 1) * share])
+    # As the framework does on CPU (initialize.bind_cpu_cores): a slice of the cores per local rank.
+    cores = sorted(os.sched_getaffinity(0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = len(cores) // max(local_world, 1)
+    if local_world > 1 and share >= 1:
+        os.sched_setaffinity(0, cores[local_rank * share : (local_rank + 1) * share])
     return torch.device("cpu")
 
 
@@ -77,7 +77,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-prefix", required=True, help="indexed dataset prefix (<prefix>.bin/.idx)")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--pin-cores", action="store_true", help="on CPU, pin each rank to its share of the cores")
     parser.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="a dotted config override (repeatable)"
     )
@@ -90,7 +89,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    device = _select_device(args.pin_cores)
+    device = _select_device()
     if device.type == "cpu":
         from megatron.bridge.utils.cpu_shims import apply_cpu_shims
 

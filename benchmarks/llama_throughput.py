@@ -10,18 +10,21 @@ loop, and the share of step time spent waiting for data, measured in the same in
    fault tolerance (needs ft_launcher) and in-process restart (refused with ``train.exit_signal_handler``).
 3. Plain: ``_plain_mcore_loop.py`` under ``torch.distributed.run``: the same provider, hyperparameters, data files
    and loader, DP 2 with the distributed optimizer, in a bare ``get_forward_backward_func()`` + ``optimizer.step()``
-   loop (no checkpoints, no resiliency code, no callbacks, no core pinning).
+   loop (no checkpoints, no resiliency code, no callbacks); on CPU each rank is pinned to its share of the cores,
+   as the framework pins its ranks (``initialize.bind_cpu_cores``).
 4. The two alternate for ``--rounds`` rounds (framework first in odd rounds, plain first in even ones). Both log
    ``iteration N/M | ... | step time X s`` on rank 0; the first ``--warmup`` steps of each run are skipped. Tokens/s
-   = global batch x sequence length / mean step time over the kept steps of all rounds. Also printed: the same from
+   = global batch x sequence length / mean step time over the kept steps of a run. The overhead is the median over
+   the rounds of each round's 1 - framework/plain tokens/s. Also printed: the same from
    the wall time between consecutive log lines (everything between steps included: callbacks, logging, blocking
    parts of saves) and the framework's steps right after a save vs the others.
 
 Data wait = time in ``next(data_iterator)`` (both runs time it the same way) / step time, over the kept steps,
-the larger of the two ranks. Goals: overhead = 1 - framework/plain tokens/s <= 3 %; framework data wait <= 2 %.
+the larger of the two ranks. Goals: overhead = 1 - framework/plain tokens/s <= 2 % from the logged step time and
+<= 3 % from the wall time between log lines; framework data wait <= 2 %.
 A whole run takes about 3-4 minutes on a 2-core machine; every subprocess has a timeout.
 
-    python benchmarks/llama_throughput.py [--steps 60 --warmup 5 --rounds 2 --save-interval 30 --local-interval 10]
+    python benchmarks/llama_throughput.py [--steps 60 --warmup 5 --rounds 3 --save-interval 30 --local-interval 10]
 """
 
 import argparse
@@ -43,7 +46,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RECIPE = "llama3_tiny_pretrain_config"
 WAITS_ENV = "LLAMA_THROUGHPUT_WAITS"  # as in _plain_mcore_loop.py (not imported: the driver stays free of torch)
-OVERHEAD_GOAL, WAIT_GOAL = 0.03, 0.02
+OVERHEAD_GOAL, WALL_OVERHEAD_GOAL, WAIT_GOAL = 0.02, 0.03, 0.02
 _STEP = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank0\] INFO \S+: iteration (\d+)/\d+ \| consumed samples (\d+) \|"
     r".*\| step time ([\d.]+) s$",
@@ -135,7 +138,6 @@ def _plain(prefix: str, tmp: Path, index: int, args: argparse.Namespace) -> Run:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         str(BENCH / "_plain_mcore_loop.py"), "--data-prefix", prefix, "--steps", str(args.steps),
-        *(["--pin-cores"] if args.plain_pin_cores else []),
     ]  # fmt: skip
     return _parse("plain", *_run(cmd, args.timeout, waits), waits)
 
@@ -191,11 +193,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
-    parser.add_argument("--rounds", type=int, default=2, help="framework + plain runs, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="framework + plain runs, alternating")
     parser.add_argument("--save-interval", type=int, default=30, help="checkpoint.save_interval (async, global)")
     parser.add_argument("--local-interval", type=int, default=10, help="local-tier checkpoint interval (async)")
     parser.add_argument("--ping-interval", type=int, default=10, help="health.liveness_ping_interval")
-    parser.add_argument("--plain-pin-cores", action="store_true", help="pin plain-loop ranks to cores as the framework")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a training run is killed")
     args = parser.parse_args()
     start = time.monotonic()
@@ -235,7 +236,14 @@ def _report(runs: dict[str, list[Run]], tokens: int, recipe: str, device: tuple[
         per_run[name] = [tokens / statistics.mean(r.steps[it] for it in k) for r, k in zip(rs, kept[name])]
     fw, plain = tokens / step["framework"], tokens / step["plain"]
     fw_wall, plain_wall = tokens / wall["framework"], tokens / wall["plain"]
-    overhead, overhead_wall = 1 - fw / plain, 1 - fw_wall / plain_wall
+    rounds = list(zip(runs["framework"], kept["framework"], runs["plain"], kept["plain"]))
+    by_round = [
+        1 - statistics.mean(p.steps[i] for i in pk) / statistics.mean(f.steps[i] for i in fk) for f, fk, p, pk in rounds
+    ]
+    by_round_wall = [
+        1 - statistics.mean(_intervals(p, pk)) / statistics.mean(_intervals(f, fk)) for f, fk, p, pk in rounds
+    ]
+    overhead, overhead_wall = statistics.median(by_round), statistics.median(by_round_wall)
     waits = {name: [_wait_fraction(r, k) for r, k in zip(rs, kept[name])] for name, rs in runs.items()}
     wait = {name: max(w[0] for w in ws) for name, ws in waits.items()}
     wait_ms = {name: 1000 * max(w[1] for w in ws) for name, ws in waits.items()}
@@ -249,13 +257,10 @@ def _report(runs: dict[str, list[Run]], tokens: int, recipe: str, device: tuple[
         "workers ignore the signal), TensorBoard; not on: ft (needs ft_launcher), in-process restart (refused with "
         "the exit-signal handler)"
     )
-    pinning = (
-        "pinned to cores like the framework"
-        if args.plain_pin_cores
-        else "not pinned to cores (on CPU the framework pins each rank to its share of the cores, "
-        "initialize.bind_cpu_cores; --plain-pin-cores pins the plain loop the same way)"
+    print(
+        f"{args.rounds} round(s) of {args.steps} steps per run, first {args.warmup} skipped; both runs pin each rank "
+        "to its share of the cores on CPU (initialize.bind_cpu_cores; the plain loop does the same)\n"
     )
-    print(f"{args.rounds} round(s) of {args.steps} steps per run, first {args.warmup} skipped; plain loop {pinning}\n")
     print("| measure | framework | plain megatron-core |")
     print("|---|---|---|")
     print(f"| tokens/s from logged step time (mean) | {fw:.0f} | {plain:.0f} |")
@@ -267,13 +272,15 @@ def _report(runs: dict[str, list[Run]], tokens: int, recipe: str, device: tuple[
     print(f"| data wait / step time | {100 * wait['framework']:.2f} % | {100 * wait['plain']:.2f} % |")
     print(f"| data wait per step | {wait_ms['framework']:.2f} ms | {wait_ms['plain']:.2f} ms |\n")
     _save_breakdown(runs["framework"], kept["framework"], step["plain"])
+    print(f"overhead per round (logged step time): {', '.join(f'{100 * x:.2f} %' for x in by_round)}")
+    print(f"overhead per round (wall time): {', '.join(f'{100 * x:.2f} %' for x in by_round_wall)}")
     print(f"framework tokens/s: {fw:.0f}")
     print(f"plain tokens/s    : {plain:.0f}")
     verdict = _verdict(overhead <= OVERHEAD_GOAL)
-    print(f"overhead = 1 - framework/plain = {100 * overhead:.2f} % (goal <= 3 %): {verdict}")
+    print(f"overhead = 1 - framework/plain, median of rounds = {100 * overhead:.2f} % (goal <= 2 %): {verdict}")
     print(
-        f"overhead from wall time between log lines = {100 * overhead_wall:.2f} % (goal <= 3 %): "
-        f"{_verdict(overhead_wall <= OVERHEAD_GOAL)}"
+        f"overhead from wall time between log lines, median of rounds = {100 * overhead_wall:.2f} % (goal <= 3 %): "
+        f"{_verdict(overhead_wall <= WALL_OVERHEAD_GOAL)}"
     )
     print(
         f"data wait fraction (framework) = {100 * wait['framework']:.2f} % of step time (goal <= 2 %): "
@@ -290,14 +297,16 @@ def _report(runs: dict[str, list[Run]], tokens: int, recipe: str, device: tuple[
         )
     base = f"{plain:.0f} tokens/s (plain megatron-core loop, {step['plain'] * 1000:.1f} ms/step)"
     emit_result(
-        "llama_throughput", "framework overhead: 1 - framework/plain tokens/s (logged step time)", overhead,
+        "llama_throughput", "framework overhead: 1 - framework/plain tokens/s (logged step time, median of rounds)",
+        overhead,
         f"{fw:.0f} tokens/s (framework, resiliency on, {step['framework'] * 1000:.1f} ms/step; run spread "
         f"{100 * spread:.1f} %)", base, f"<= {OVERHEAD_GOAL}", spread=spread if args.rounds >= 2 else None,
     )  # fmt: skip
     emit_result(
-        "llama_throughput", "framework overhead: 1 - framework/plain tokens/s (wall time between log lines)",
+        "llama_throughput",
+        "framework overhead: 1 - framework/plain tokens/s (wall time between log lines, median of rounds)",
         overhead_wall, f"{fw_wall:.0f} tokens/s (framework)", f"{plain_wall:.0f} tokens/s (plain)",
-        f"<= {OVERHEAD_GOAL}", spread=spread if args.rounds >= 2 else None,
+        f"<= {WALL_OVERHEAD_GOAL}", spread=spread if args.rounds >= 2 else None,
     )  # fmt: skip
     emit_result(
         "llama_throughput", "data wait / step time (framework run)", wait["framework"],

@@ -44,7 +44,8 @@ WORK = (
 FEATURES = (
     ("get_batch", "data: next batch (workers, collation)"),
     ("train_step (bridge/training/train.py", "loop: step bookkeeping (zero grads, learning rate, metrics)"),
-    ("_agreed_stop_flags (bridge/training/train.py", "stop flags all-reduce (exit signal, duration)"),
+    ("CheckpointManager.finalize (bridge/training/checkpointing.py", "async saves: commit when done"),
+    ("agree_after_step (bridge/training/train.py", "the step's one agreement all-reduce (stop flags, saves in flight)"),
     ("RerunController.passes (bridge/training/rerun.py", "re-run state machine: per-step agreement, RNG snapshot"),
     ("RerunController.end_step (bridge/training/rerun.py", "re-run state machine: step verdict"),
     ("check_losses", "loss checks (NaN/Inf/spike)"),
@@ -60,7 +61,6 @@ FEATURES = (
     ("GoodputTracker.progress", "goodput: progress record (log interval)"),
     ("reduce_losses (bridge/training/losses.py", "loss reduction for logging (log interval)"),
     ("MetricsWriter", "metrics: log lines and TensorBoard (log interval)"),
-    ("CheckpointManager.finalize (bridge/training/checkpointing.py", "async saves: commit when done"),
     ("CheckpointManager.save_local", "local-tier saves: blocking part"),
     ("CheckpointManager.save (bridge/training/checkpointing.py", "global saves: blocking part"),
     ("_fire (bridge/training/train.py", "callbacks: dispatch"),

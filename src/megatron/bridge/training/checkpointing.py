@@ -34,6 +34,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron.bridge.training import event_stream, fault_injection
 from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, storage
+from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
 from megatron.bridge.training.checkpoint.contexts import CheckpointLoadContext, CheckpointSaveContext
 from megatron.bridge.training.checkpoint.discovery import (  # noqa: F401 - Megatron-Bridge's names, re-exported
     _get_checkpoint_format,
@@ -69,6 +70,7 @@ from megatron.bridge.training.utils.checkpoint_utils import (  # noqa: F401 - Me
     read_train_state,
 )
 from megatron.bridge.training.utils.config_utils import to_plain
+from megatron.bridge.utils import upstream
 from megatron.bridge.utils.common_utils import print_rank_0
 from megatron.bridge.utils.cpu_shims import training_on_cpu
 from megatron.bridge.utils.dist import all_gather_object, barrier, broadcast_from_rank0, on_rank0, rank, world_size
@@ -754,20 +756,49 @@ class CheckpointManager:
     def _extras(self) -> dict[str, Any]:
         return {name: provide() for name, provide in self._common_extra.items()}
 
-    def finalize(self, blocking: bool = False) -> None:
-        """Commit a finished async save; with ``blocking``, wait for it. Call on every rank at the same step."""
+    @property
+    def async_save_in_flight(self) -> bool:
+        """Whether an async save of either tier was scheduled and not committed yet (the same on every rank)."""
+        local = self.local is not None and self.local.pending_iteration is not None
+        return local or (self._queue is not None and self._pending is not None)
+
+    def busy_here(self) -> AsyncSavesBusy:
+        """Which tiers have an async save in flight whose background write has not finished on this rank.
+
+        No collective: the training loop agrees every rank's answer in the one collective of its step and hands the
+        result to :meth:`finalize`.
+        """
+        busy = self._queue is not None and self._pending is not None
+        return AsyncSavesBusy(
+            busy and not upstream.async_call_finished_here(self._queue),
+            self.local is not None and self.local.busy_here(),
+        )
+
+    def finalize(self, blocking: bool = False, busy_anywhere: Optional[AsyncSavesBusy] = None) -> None:
+        """Commit a finished async save; with ``blocking``, wait for it. Call on every rank at the same step.
+
+        Args:
+            blocking: wait for the saves in flight.
+            busy_anywhere: :meth:`busy_here` of every rank, combined (any rank busy) and agreed by every rank
+                beforehand: a tier no rank is busy with is committed without a poll collective, the others are left
+                for a later step. ``None``: each tier polls every rank itself (one all-reduce each).
+        """
         local_iteration = self.local.pending_iteration if self.local is not None else None
         try:
             if self.local is not None:
-                self.local.finalize(blocking=blocking)
+                self.local.finalize(blocking, None if busy_anywhere is None else busy_anywhere.local_tier)
         except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
             if not self.storage.save_failed(err, LOCAL, local_iteration or 0):
                 raise
         if self._queue is None or self._pending is None:
             return
+        if busy_anywhere is not None and busy_anywhere.global_tier and not blocking:
+            return
         iteration = self._pending
         try:
-            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+            done = self._queue.maybe_finalize_async_calls(
+                blocking=blocking, no_dist=busy_anywhere is not None and not blocking
+            )
         except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
             self._pending = None
             if not self.storage.save_failed(err, GLOBAL, iteration, self._pending_tmp):

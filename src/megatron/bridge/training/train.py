@@ -7,19 +7,21 @@ straggler detection (``pretrain.py`` registers them). One iteration:
 1. ``on_train_step_start``: goodput (the first step ends this attempt's start-up); fault tolerance opens the
    ``step`` section and hang attribution watches it (this rank's stacks are written if it stays open too long);
    fault drills strike; the liveness ping, when due (before any collective of the step); then the user's;
-2. commit async checkpoint saves that finished on every rank (goodput counts the wait as ``checkpoint_save``);
-3. forward and backward over the micro-batches (timed by straggler detection), once or, when the re-run state
+2. forward and backward over the micro-batches (timed by straggler detection), once or, when the re-run state
    machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
    checkpoint; a bad loss soon after a local-tier load stops with 23 instead, that checkpoint deleted); optimizer and
    scheduler step;
+3. the step's one agreement (a single all-reduce, none when nothing needs agreeing): exit signal, duration limit,
+   async saves still being written on some rank; commit the async saves finished on every rank (goodput counts it
+   as ``checkpoint_save``);
 4. ``on_train_step_end``: goodput counts the step as productive when its update was applied (else as ``rerun``),
    the event stream records it (``step_completed``);
    fault tolerance closes ``step`` and hang attribution stops watching; straggler detection counts the step and,
    when a report is due, all ranks score each other (it may ask every rank to stop); then the user's;
 5. count the step; log metrics; goodput rewrites its progress record and logs its scalars;
-6. decide whether to stop (end of training, exit signal on any rank, a feature's stop request, ``exit_interval``,
-   ``exit_duration_in_mins``); on a signal, start the stop deadline; report progress (in-process restart's watchdog);
-   evaluate when due;
+6. decide whether to stop (end of training, the agreed exit signal, a feature's stop request, ``exit_interval``,
+   the agreed ``exit_duration_in_mins``); on a signal, start the stop deadline; report progress (in-process
+   restart's watchdog); evaluate when due;
 7. save a checkpoint when the interval is reached or training stops, or else a local-tier checkpoint when its
    interval is reached (a global save is never replaced by a local one), between ``on_checkpoint_save_start`` and
    ``_end``: fault tolerance's ``checkpointing`` section, hang attribution's watch, goodput's ``checkpoint_save``
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from megatron.bridge.training import eval as evaluation
 from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import CallbackManager, fire_event
+from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.event_stream import EventKind, Mechanism
@@ -160,36 +163,54 @@ def _fire(ctx: TrainContext, event: str, **fields: Any) -> None:
     )
 
 
-def _agreed_stop_flags(ctx: TrainContext) -> tuple[bool, bool]:
-    """(a rank received the exit signal, ``exit_duration_in_mins`` passed on a rank), agreed by every rank.
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank agreed on after a step, in the step's one collective (:func:`agree_after_step`)."""
 
-    One MAX all-reduce of two integers per step, and none when neither feature is on.
+    signalled: bool = False
+    """A rank received the exit signal (``train.exit_signal_handler``)."""
+    timed_out: bool = False
+    """``train.exit_duration_in_mins`` passed on a rank."""
+    saves_busy: Optional[AsyncSavesBusy] = None
+    """Per tier, whether a rank is still writing its async save; ``None``: no async save was in flight."""
+
+
+def agree_after_step(ctx: TrainContext) -> StepAgreement:
+    """Agree every per-step flag in one MAX all-reduce: the exit signal, the duration limit, the async saves in flight.
+
+    None when no flag is needed (neither stop feature on and no async save in flight): whether it is made depends
+    only on the configuration and on saves every rank made together, so every rank makes it or none does. An
+    in-flight save's poll is folded in here instead of costing an all-reduce of its own per step and tier.
     """
     train = ctx.cfg.train
-    if not train.exit_signal_handler and train.exit_duration_in_mins is None:
-        return False, False
-    signalled = ctx.signals.received  # agreed below, with the duration flag, in one all-reduce
+    stop_flags = train.exit_signal_handler or train.exit_duration_in_mins is not None
+    in_flight = ctx.checkpoints.async_save_in_flight
+    if not stop_flags and not in_flight:
+        return StepAgreement()
     elapsed_min = (time.monotonic() - ctx.start_time) / 60.0
     timed_out = train.exit_duration_in_mins is not None and elapsed_min >= train.exit_duration_in_mins
+    busy = ctx.checkpoints.busy_here() if in_flight else AsyncSavesBusy(False, False)
     device = next(ctx.model[0].parameters()).device
-    flags = torch.tensor([int(signalled), int(timed_out)], dtype=torch.int32, device=device)
+    flags = torch.tensor(
+        [ctx.signals.received, timed_out, busy.global_tier, busy.local_tier], dtype=torch.int32, device=device
+    )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0].item()), bool(flags[1].item())
+    signalled, timed_out, global_busy, local_busy = (bool(f) for f in flags.tolist())
+    return StepAgreement(signalled, timed_out, AsyncSavesBusy(global_busy, local_busy) if in_flight else None)
 
 
-def exit_condition(ctx: TrainContext) -> Optional[tuple[ExitCode, str]]:
+def exit_condition(ctx: TrainContext, agreed: StepAgreement) -> Optional[tuple[ExitCode, str]]:
     """The reason to stop after this step, if any (finishing wins over every early stop)."""
     train, it = ctx.cfg.train, ctx.state.step
     if it >= train.train_iters:
         return ExitCode.FINISHED, f"reached train.train_iters={train.train_iters}"
-    signalled, timed_out = _agreed_stop_flags(ctx)
-    if signalled:
+    if agreed.signalled:
         return ExitCode.PREEMPTED, f"a rank received {ctx.signals.sig.name} (train.exit_signal)"
     if ctx.global_state.stop_request is not None:  # e.g. straggler detection with stop_if_detected
         return ctx.global_state.stop_request
     if train.exit_interval is not None and it % train.exit_interval == 0:
         return ExitCode.EXIT_INTERVAL, f"reached train.exit_interval={train.exit_interval} at iteration {it}"
-    if timed_out:
+    if agreed.timed_out:
         return ExitCode.DURATION_LIMIT, f"ran train.exit_duration_in_mins={train.exit_duration_in_mins}"
     return None
 
@@ -258,10 +279,12 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     timed_train_step = ctx.straggler.wrap_train_step_function(train_step)  # train_step itself when detection is off
     while True:
         _fire(ctx, "on_train_step_start")
-        with ctx.goodput.saving():
-            ctx.checkpoints.finalize(blocking=False)
         log_this_step = ctx.metrics.due(ctx.state.step + 1)
         metrics, loss_dict, verdict = timed_train_step(ctx, with_losses=log_this_step or ctx.user_wants_losses)
+        agreed = agree_after_step(ctx)
+        if agreed.saves_busy is not None:
+            with ctx.goodput.saving():
+                ctx.checkpoints.finalize(busy_anywhere=agreed.saves_busy)
         _fire(
             ctx,
             "on_train_step_end",
@@ -284,7 +307,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
             ctx.metrics.log_step(ctx.state.step, cfg.train.train_iters, ctx.state.consumed_train_samples, metrics)
             if ctx.metrics.console_due(ctx.state.step):
                 ctx.metrics.log_scalars(ctx.goodput.progress(ctx.state.step), ctx.state.step)
-        stop = exit_condition(ctx)
+        stop = exit_condition(ctx, agreed)
         if stop is not None and stop[0] == ExitCode.PREEMPTED:
             ctx.deadline = start_stop_deadline(ctx)
         ctx.report_progress()

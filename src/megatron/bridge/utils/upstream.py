@@ -22,6 +22,7 @@ its launcher starts workers and picks ports through torch's, so those entries ho
 import importlib
 import inspect
 import logging
+import queue as queue_module
 import re
 from dataclasses import dataclass
 from importlib import metadata
@@ -102,6 +103,7 @@ class Symbol:
 
 _RSM = "megatron.core.rerun_state_machine"
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_ASYNC_UTILS = "megatron.core.dist_checkpointing.strategies.async_utils"
 NVRX_ASYNC = "nvidia_resiliency_ext.checkpointing.async_ckpt"
 """nvidia-resiliency-ext's asynchronous-save modules, which megatron-core 0.17 and later write through."""
 _LOCAL_MANAGER = "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager"
@@ -299,7 +301,21 @@ SYMBOLS: tuple[Symbol, ...] = (
         )
     ),
     _torch_global("megatron.core.dist_checkpointing.strategies.state_dict_saver", "a flag on the CUDA device"),
-    _torch_global("megatron.core.dist_checkpointing.strategies.async_utils", "torch.cuda.synchronize before forking"),
+    _torch_global(_ASYNC_UTILS, "torch.cuda.synchronize before forking"),
+    *(
+        Symbol(
+            f"{_ASYNC_UTILS}:{attr}",
+            "state",
+            "async_call_finished_here: whether this rank's async save finished, without the poll's all-reduce",
+        )
+        for attr in (
+            "AsyncCallsQueue.async_calls",
+            "TemporalAsyncCaller.process",
+            "PersistentAsyncCaller.process",
+            "PersistentAsyncCaller.cur_item",
+            "PersistentAsyncCaller.comp_q",
+        )
+    ),
     _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),
     _torch_global("megatron.core.dist_checkpointing.tensor_aware_state_dict", "torch.cuda.synchronize"),
     *_worker_handler(_TORCH_HANDLER, "torchrun's (and from nvidia-resiliency-ext 0.6 ft_launcher's)"),
@@ -597,3 +613,23 @@ def drop_agent_restarts(agent: Any) -> None:
 def set_rerun_state_machine(machine: Any) -> None:
     """Install ``machine`` as megatron-core's process-wide re-run state machine."""
     get(f"{_RSM}:_set_rerun_state_machine")(machine)
+
+
+def async_call_finished_here(queue: Any) -> bool:
+    """Whether the oldest call in megatron-core's ``AsyncCallsQueue`` finished on this rank (no collective).
+
+    The check of the queue's own ``no_dist`` poll, without finalizing anything: a persistent worker's completion
+    notice, once taken from its queue, is kept on the caller (``cur_item``), where that poll looks first. ``True``
+    when the queue is empty.
+    """
+    if not queue.async_calls:
+        return True
+    caller = queue.async_calls[0].async_caller
+    if hasattr(caller, "comp_q"):  # the persistent worker: it reports each finished call on its queue
+        if caller.process and caller.cur_item is None:
+            try:
+                caller.cur_item = caller.comp_q.get_nowait()
+            except queue_module.Empty:
+                return False
+        return True
+    return caller.process is None or not caller.process.is_alive()

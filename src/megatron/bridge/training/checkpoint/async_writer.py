@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.bridge.training.checkpoint import manifest, storage
@@ -33,6 +34,19 @@ and later write through): both are given the same queue."""
 
 REPORT_SECONDS = 120.0
 """A background writer still running after this many seconds (and every as many after) logs it with its stack."""
+
+
+@dataclass(frozen=True)
+class AsyncSavesBusy:
+    """Per tier, whether an async save is in flight whose background write has not finished.
+
+    On one rank (``CheckpointManager.busy_here``), or on any rank once the training loop agreed it.
+    """
+
+    global_tier: bool
+    """The global checkpoint's save."""
+    local_tier: bool
+    """The local tier's save."""
 
 
 class FileResultsQueue:

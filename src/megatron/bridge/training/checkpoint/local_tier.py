@@ -392,15 +392,27 @@ class LocalTier:
         """The iteration of the async save in flight (``None``: none)."""
         return self._pending
 
-    def finalize(self, blocking: bool = False) -> None:
+    def busy_here(self) -> bool:
+        """Whether an async save is in flight and its background write has not finished on this rank (no collective)."""
+        in_flight = self._queue is not None and self._pending is not None
+        return in_flight and not upstream.async_call_finished_here(self._queue)
+
+    def finalize(self, blocking: bool = False, busy_anywhere: Optional[bool] = None) -> None:
         """Finish an async save that completed on every rank (wait for it with ``blocking``).
+
+        Args:
+            blocking: wait for the save in flight.
+            busy_anywhere: whether some rank's :meth:`busy_here` was true, agreed by every rank beforehand (the step's
+                one agreement carries it): the poll then needs no collective of its own. ``None``: poll every rank.
 
         A save that failed raises here, on every rank (its files were removed); none is in flight afterwards.
         """
-        if self._queue is None or self._pending is None:
+        if self._queue is None or self._pending is None or (busy_anywhere and not blocking):
             return
         try:
-            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+            done = self._queue.maybe_finalize_async_calls(
+                blocking=blocking, no_dist=busy_anywhere is not None and not blocking
+            )
         except BaseException:
             self._pending = None
             raise
