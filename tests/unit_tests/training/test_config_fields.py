@@ -65,7 +65,7 @@ def test_a_misspelt_attribute_and_a_mistyped_value_are_refused_by_name():
         ("checkpoint.save_optim=False", "checkpoint.save_optim: False is not supported here"),
         ("dist.use_torch_fsdp2=True", "dist.use_torch_fsdp2: True is not supported here (FSDP"),
         ("profiling.use_pytorch_profiler=True", "profiling.use_pytorch_profiler"),
-        ("train.manual_gc=True", "train.manual_gc"),
+        ("train.train_sync_interval=5", "train.train_sync_interval"),
         ("rng.te_rng_tracker=True", "rng.te_rng_tracker"),
         ("mixed_precision=bf16_mixed", "mixed_precision: 'bf16_mixed' is not supported here"),
     ],

@@ -174,11 +174,12 @@ class TrainingConfig:
     committed checkpoint stays the one to resume from) and the process exits 18. Keep it below the scheduler's
     grace time (``PreemptionPlugin.preempt_time``, Slurm ``KillWait``); ``None`` waits for the save however long."""
     manual_gc: bool = False
-    """Turn Python's automatic garbage collection off and collect every ``manual_gc_interval`` steps."""
+    """Turn Python's automatic garbage collection off and collect on every rank at the same steps, every
+    ``manual_gc_interval`` steps (``training/garbage_collection.py``; set-up's objects are frozen either way)."""
     manual_gc_interval: int = 0
-    """Steps between manual garbage collections."""
+    """Steps between manual garbage collections (0: only around evaluation, with ``manual_gc_eval``)."""
     manual_gc_eval: bool = True
-    """Collect garbage around each evaluation when ``manual_gc`` is on."""
+    """With ``manual_gc``: a full collection before each evaluation, a young-generation one after it."""
     iterations_to_skip: list[int] = field(default_factory=list)
     """Iterations whose batch is consumed without an update."""
     eval_iters: Optional[int] = None

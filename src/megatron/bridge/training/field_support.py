@@ -25,9 +25,6 @@ REFUSED: dict[str, str] = {
     "train.empty_unused_memory_level": "CUDA cache emptying is not implemented",
     "train.check_weight_hash_across_dp_replicas_interval": "the weight-hash check is not implemented",
     "train.train_sync_interval": "CPU-GPU synchronization intervals are not implemented",
-    "train.manual_gc": "manual garbage collection is not implemented",
-    "train.manual_gc_interval": "manual garbage collection is not implemented",
-    "train.manual_gc_eval": "manual garbage collection is not implemented",
     "train.iterations_to_skip": "skipping iterations is not implemented",
     "train.num_epochs": (
         "epoch-based training needs a finite SFT dataset (Megatron-Bridge refuses it for every other dataset too); "

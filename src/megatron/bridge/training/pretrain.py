@@ -36,6 +36,7 @@ from megatron.bridge.training.event_recorder import EventRecorder
 from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, TrainingExit
 from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultToleranceCallback
+from megatron.bridge.training.garbage_collection import GarbageCollectionCallback
 from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
 from megatron.bridge.training.goodput import GoodputCallback, GoodputTracker
 from megatron.bridge.training.hang_attribution import (
@@ -183,6 +184,7 @@ def _pretrain(
     # Entered when the config was set on the state (train.exit_signal_handler on), or again after an in-process
     # restart's reset; else a stand-in never entered: the scheduler's signal is trapped only when asked to.
     signals = global_state.signal_handler or DistributedSignalHandler(cfg.train.exit_signal)
+    collector = GarbageCollectionCallback(cfg.train, freeze=not is_enabled(cfg.inprocess_restart))
     handlers = contextlib.ExitStack()
     handlers.callback(signals.release)
 
@@ -197,6 +199,7 @@ def _pretrain(
             functools.partial(fault_tolerance.abort, global_state),
             hang_watch.shutdown,
             liveness.shutdown,
+            collector.close,
             destroy_distributed,
             *([ctx.deadline.cancel] if ctx is not None and ctx.deadline is not None else []),
             handlers.close,
@@ -291,6 +294,7 @@ def _pretrain(
             faults,
             LivenessCallback(liveness),
             StragglerCallback(straggler, metrics.log_scalars),
+            collector,
         ]
         ctx = TrainContext(
             global_state=global_state,

@@ -42,6 +42,12 @@ def finalize_training(t: Any) -> None:
             f"Cannot specify more than one of train_iters, train_samples, or num_epochs (got {', '.join(modes)})",
             "set only one of them",
         )
+    if t.manual_gc and t.manual_gc_interval < 0:
+        fail(
+            "train.manual_gc_interval",
+            f"Manual garbage collection interval should be larger than or equal to 0, got {t.manual_gc_interval}",
+            "use 0 (collect only around evaluation) or a number of steps",
+        )
     if t.num_epochs is not None:
         if t.num_epochs <= 0:
             fail("train.num_epochs", f"num_epochs must be a positive number, got {t.num_epochs}", "use e.g. 1.0")

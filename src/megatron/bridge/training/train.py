@@ -2,7 +2,8 @@
 
 The loop's features are callbacks on the same events user callbacks get (``callbacks.py``), run before the user's
 in this order: goodput, the event stream, fault tolerance, hang attribution, fault injection, liveness ping,
-straggler detection (``pretrain.py`` registers them). One iteration:
+straggler detection, garbage collection (``pretrain.py`` registers them). ``on_train_start``: garbage collection
+freezes what set-up built (``garbage_collection.py``). One iteration:
 
 1. ``on_train_step_start``: goodput (the first step ends this attempt's start-up); fault tolerance opens the
    ``step`` section and hang attribution watches it (this rank's stacks are written if it stays open too long);
@@ -17,7 +18,8 @@ straggler detection (``pretrain.py`` registers them). One iteration:
 4. ``on_train_step_end``: goodput counts the step as productive when its update was applied (else as ``rerun``),
    the event stream records it (``step_completed``);
    fault tolerance closes ``step`` and hang attribution stops watching; straggler detection counts the step and,
-   when a report is due, all ranks score each other (it may ask every rank to stop); then the user's;
+   when a report is due, all ranks score each other (it may ask every rank to stop); ``train.manual_gc`` collects
+   when due; then the user's;
 5. count the step; log metrics; goodput rewrites its progress record and logs its scalars;
 6. decide whether to stop (end of training, the agreed exit signal, a feature's stop request, ``exit_interval``,
    the agreed ``exit_duration_in_mins``); on a signal, start the stop deadline; report progress (in-process
@@ -46,6 +48,7 @@ from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.training.garbage_collection import maybe_run_manual_gc  # noqa: F401 - Megatron-Bridge's name
 from megatron.bridge.training.goodput import GoodputTracker
 from megatron.bridge.training.losses import reduce_losses
 from megatron.bridge.training.metrics import MetricsWriter
