@@ -115,3 +115,22 @@ def test_the_local_tier_is_busy_only_while_its_async_write_runs(tmp_path):
         assert tier.pending_iteration is None and tier.last_saved_iteration == 12 and out.read_text() == "written"
     finally:
         tier._queue.close(abort=True)
+
+
+def _write_niceness(out: str) -> None:
+    with open(out, "w") as f:
+        f.write(str(os.nice(0)))
+
+
+def test_a_forked_writer_runs_below_the_training_priority(tmp_path):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+    from megatron.bridge.training.checkpoint import async_writer
+
+    queue, out = AsyncCallsQueue(persistent=False), tmp_path / "nice"
+    queue.schedule_async_request(AsyncRequest(async_writer.behind_training(_write_niceness), (str(out),), []))
+    try:
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert int(out.read_text()) == min(19, os.nice(0) + async_writer.WRITER_NICENESS)  # 19: the lowest
+    finally:
+        queue.close(abort=True)
