@@ -69,7 +69,7 @@ from megatron.bridge.training.utils.checkpoint_utils import (  # noqa: F401 - Me
     read_run_config,
     read_train_state,
 )
-from megatron.bridge.training.utils.config_utils import to_plain
+from megatron.bridge.training.utils.config_utils import to_plain, yaml_text
 from megatron.bridge.utils import upstream
 from megatron.bridge.utils.common_utils import print_rank_0
 from megatron.bridge.utils.cpu_shims import training_on_cpu
@@ -554,7 +554,8 @@ class CheckpointManager:
         run_config: Any = None,
     ) -> None:
         self.cfg = cfg
-        self._run_config = to_plain(run_config) if run_config is not None else None
+        # Rendered once: every global save's commit writes the same text (YAML rendering took most of rank 0's part).
+        self._run_config = yaml_text(to_plain(run_config)) if run_config is not None else None
         self._on_saved = on_saved or (lambda name, kind, iteration: None)
         self._common_extra = dict(common_extra or {})
         self.loaded_common_extra: dict[str, Any] = {}

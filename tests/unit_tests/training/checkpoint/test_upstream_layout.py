@@ -18,7 +18,7 @@ from megatron.bridge.training.utils.checkpoint_utils import (
     read_run_config,
     read_train_state,
 )
-from megatron.bridge.training.utils.config_utils import to_plain
+from megatron.bridge.training.utils.config_utils import to_plain, yaml_text
 
 
 def _save(root: str, iteration: int, run_config=None, with_train_state: bool = True) -> None:
@@ -29,7 +29,7 @@ def _save(root: str, iteration: int, run_config=None, with_train_state: bool = T
         f.write(b"payload-%d" % iteration)
     if with_train_state:
         state = TrainState(step=iteration, consumed_train_samples=8 * iteration, floating_point_operations_so_far=7)
-        layout.write_iteration_files(tmp, state.state_dict(), run_config)
+        layout.write_iteration_files(tmp, state.state_dict(), yaml_text(run_config) if run_config else None)
     manifest.write_manifest(tmp, iteration, manifest.hash_share(tmp, manifest.list_files(tmp), 0, 1))
     layout.commit(root, iteration, "a1")
 

@@ -127,7 +127,7 @@ def train_state_tensors(train_state: dict[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
-def write_iteration_files(ckpt_dir: str, train_state: dict[str, Any], run_config: Optional[dict[str, Any]]) -> None:
+def write_iteration_files(ckpt_dir: str, train_state: dict[str, Any], run_config: Optional[str]) -> None:
     """Write ``train_state.pt`` and, when given, ``run_config.yaml`` into a checkpoint being saved (one rank).
 
     Both are Megatron-Bridge's per-checkpoint files; they are written before the manifest, so it covers them.
@@ -135,9 +135,10 @@ def write_iteration_files(ckpt_dir: str, train_state: dict[str, Any], run_config
     Args:
         ckpt_dir: the save's temporary directory.
         train_state: ``TrainState.state_dict()`` at the save's step.
-        run_config: the run's configuration as plain values (``ConfigContainer.to_dict()``), or ``None``: Megatron-
-            Bridge's tools read a checkpoint's settings from it (``checkpoint_utils.read_run_config``). It is read,
-            never executed: loading a checkpoint here never builds anything from it.
+        run_config: the run's configuration as YAML text (``config_utils.yaml_text`` of ``ConfigContainer.to_dict()``,
+            rendered once per run), or ``None``: Megatron-Bridge's tools read a checkpoint's settings from it
+            (``checkpoint_utils.read_run_config``). It is read, never executed: loading a checkpoint here never builds
+            anything from it.
     """
     from megatron.bridge.training.utils.config_utils import write_yaml
 

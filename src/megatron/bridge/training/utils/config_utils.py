@@ -17,7 +17,7 @@ import enum
 import importlib
 import typing
 from pathlib import PurePath
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import yaml
@@ -161,9 +161,17 @@ def from_plain(plain: Any, where: str = "config") -> Any:
     return obj
 
 
-def write_yaml(plain: dict[str, Any], path: Optional[str] = None) -> None:
-    """Write ``plain`` as YAML to ``path`` atomically (a reader never sees half a file), or print it when ``None``."""
-    text = yaml.safe_dump(plain, sort_keys=False, default_flow_style=False)
+def yaml_text(plain: dict[str, Any]) -> str:
+    """``plain`` as YAML text (keys in their order, block style): what :func:`write_yaml` writes."""
+    return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False)
+
+
+def write_yaml(plain: Union[dict[str, Any], str], path: Optional[str] = None) -> None:
+    """Write ``plain`` as YAML to ``path`` atomically (a reader never sees half a file), or print it when ``None``.
+
+    ``plain`` may also be its :func:`yaml_text`, rendered before.
+    """
+    text = plain if isinstance(plain, str) else yaml_text(plain)
     if path is None:
         print(text, end="")
     else:
