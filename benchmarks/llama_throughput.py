@@ -24,7 +24,7 @@ the larger of the two ranks. Goals: overhead = 1 - framework/plain tokens/s <= 2
 <= 3 % from the wall time between log lines; framework data wait <= 2 %.
 A whole run takes about 3-4 minutes on a 2-core machine; every subprocess has a timeout.
 
-    python benchmarks/llama_throughput.py [--steps 60 --warmup 5 --rounds 3 --save-interval 30 --local-interval 10]
+    python benchmarks/llama_throughput.py [--steps 200 --warmup 5 --rounds 3 --save-interval 30 --local-interval 10]
 """
 
 import argparse
@@ -191,7 +191,7 @@ def _verdict(ok: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
     parser.add_argument("--rounds", type=int, default=3, help="framework + plain runs, alternating")
     parser.add_argument("--save-interval", type=int, default=30, help="checkpoint.save_interval (async, global)")
