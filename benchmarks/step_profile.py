@@ -63,6 +63,7 @@ FEATURES = (
     ("MetricsWriter", "metrics: log lines and TensorBoard (log interval)"),
     ("CheckpointManager.save_local", "local-tier saves: blocking part"),
     ("CheckpointManager.save (bridge/training/checkpointing.py", "global saves: blocking part"),
+    ("GarbageCollectionCallback", "garbage collection: one collection and freeze at the start (once)"),
     ("_fire (bridge/training/train.py", "callbacks: dispatch"),
 )
 """(frame substring, feature): the first match of a frame names its feature."""

@@ -7,11 +7,12 @@ long-lived objects to set one off: a rank then stops for about 0.25 s on a 2-cor
 choosing, its peers wait for it in the step's next collective, and the step looks like a straggler's. A forked async
 checkpoint writer that collects touches every one of those objects and copies their memory pages.
 
-How: when training starts, one collection, then ``gc.freeze()``: everything that exists then is moved out of the
-collector's sight, so a later full collection walks only what training allocated since (the run's objects are still
-freed by reference counting; only reference cycles among them are never collected, and they live as long as the run
-anyway). Nothing is frozen under in-process restart: an aborted iteration's model must stay collectable (the
-wrapper freezes what exists when it starts). When training ends, the objects go back to the collector.
+How: when training starts, ``gc.freeze()``: everything that exists then is moved out of the collector's sight, so a
+later full collection walks only what training allocated since. The frozen objects are still freed by reference
+counting; reference cycles among them wait until training ends (set-up's leftover garbage, and what lives as long as
+the run anyway). No collection first: it would walk all of them once, 0.2 s at the first step. Nothing is frozen
+under in-process restart: an aborted iteration's model must stay collectable (the wrapper freezes what exists when it
+starts). When training ends, the objects go back to the collector.
 
 With ``train.manual_gc`` (Megatron-Bridge's fields), automatic collection is turned off and every rank collects at
 the same steps: every ``train.manual_gc_interval`` steps (0: never) and, with ``train.manual_gc_eval``, a full
@@ -50,11 +51,12 @@ class GarbageCollectionCallback(Callback):
         self._disabled = False
 
     def on_train_start(self, context: Any) -> None:
-        """Collect once, then freeze what exists and, with ``manual_gc``, turn automatic collection off."""
-        if self.cfg.manual_gc and gc.isenabled():
-            gc.disable()
-            self._disabled = True
-        gc.collect()
+        """Freeze what exists; with ``manual_gc``, turn automatic collection off and collect once first."""
+        if self.cfg.manual_gc:
+            if gc.isenabled():
+                gc.disable()
+                self._disabled = True
+            gc.collect()  # as Megatron-Bridge does; otherwise set-up's garbage is frozen with the rest (0.2 s saved)
         if self.freeze:
             gc.freeze()
             self._froze = True
