@@ -14,6 +14,7 @@ from :func:`generate_state_dict` with the RNG states of :func:`get_rng_state`, a
 :class:`DefaultCheckpointManager`, Megatron-Bridge's pluggable manager) drive the same manager the training loop uses.
 """
 
+import contextlib
 import enum
 import logging
 import os
@@ -21,7 +22,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -733,13 +734,33 @@ class CheckpointManager:
         sharded_sd = contents.sharded_state_dict(
             model, optimizer, scheduler, state, ckpt_cfg=self.cfg, generator_states=self._generator_states()
         )
-        self.storage.before_save(LOCAL, state.step, storage.tensor_bytes(sharded_sd))
-        fault_injection.fill_storage(fault_injection.LOCAL_SAVE, rank(), state.step, self.storage.local_dir)
+        with self._global_save_kept_on_a_local_stop():
+            self.storage.before_save(LOCAL, state.step, storage.tensor_bytes(sharded_sd))
+            fault_injection.fill_storage(fault_injection.LOCAL_SAVE, rank(), state.step, self.storage.local_dir)
+            try:
+                self.local.save(sharded_sd, state.step, common_extra=self._extras())
+            except StorageGuard.SAVE_ERRORS as err:
+                if not self.storage.save_failed(err, LOCAL, state.step):
+                    raise
+
+    @contextlib.contextmanager
+    def _global_save_kept_on_a_local_stop(self) -> Iterator[None]:
+        """When the local tier stops training (its storage failed), commit the global save in flight first.
+
+        The stop is agreed by every rank at the same point (the storage guard's verdict, or a failed background
+        write that every rank sees in the same poll), so the commit's collectives are safe; the global write is
+        healthy and would otherwise be abandoned (a writer still busy when the stop comes: under load, or running
+        behind training at its lower priority).
+        """
         try:
-            self.local.save(sharded_sd, state.step, common_extra=self._extras())
-        except StorageGuard.SAVE_ERRORS as err:
-            if not self.storage.save_failed(err, LOCAL, state.step):
-                raise
+            yield
+        except TrainingExit:
+            if self._queue is not None and self._pending is not None:
+                logger.warning(
+                    "the local tier stopped training: committing the global save of iteration %d first", self._pending
+                )
+                self._finalize_global(blocking=True)
+            raise
 
     def _keep_in_local_tier(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: Any) -> None:
         """``global_save_failure_policy="continue_local"``: the global save failed; keep the state in the local tier."""
@@ -785,21 +806,24 @@ class CheckpointManager:
                 for a later step. ``None``: each tier polls every rank itself (one all-reduce each).
         """
         local_iteration = self.local.pending_iteration if self.local is not None else None
-        try:
-            if self.local is not None:
-                self.local.finalize(blocking, None if busy_anywhere is None else busy_anywhere.local_tier)
-        except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
-            if not self.storage.save_failed(err, LOCAL, local_iteration or 0):
-                raise
-        if self._queue is None or self._pending is None:
-            return
+        with self._global_save_kept_on_a_local_stop():
+            try:
+                if self.local is not None:
+                    self.local.finalize(blocking, None if busy_anywhere is None else busy_anywhere.local_tier)
+            except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
+                if not self.storage.save_failed(err, LOCAL, local_iteration or 0):
+                    raise
         if busy_anywhere is not None and busy_anywhere.global_tier and not blocking:
+            return
+        self._finalize_global(blocking, no_dist=busy_anywhere is not None and not blocking)
+
+    def _finalize_global(self, blocking: bool, no_dist: bool = False) -> None:
+        """Commit the global save in flight if every rank finished writing it (wait for it with ``blocking``)."""
+        if self._queue is None or self._pending is None:
             return
         iteration = self._pending
         try:
-            done = self._queue.maybe_finalize_async_calls(
-                blocking=blocking, no_dist=busy_anywhere is not None and not blocking
-            )
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
         except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
             self._pending = None
             if not self.storage.save_failed(err, GLOBAL, iteration, self._pending_tmp):

@@ -117,20 +117,24 @@ def test_the_local_tier_is_busy_only_while_its_async_write_runs(tmp_path):
         tier._queue.close(abort=True)
 
 
-def _write_niceness(out: str) -> None:
-    with open(out, "w") as f:
-        f.write(str(os.nice(0)))
+def test_a_stop_by_the_local_tier_commits_the_global_save_in_flight_first():
+    """A local-tier storage fault stops training; the healthy global save still being written is committed first."""
+    from megatron.bridge.training.checkpointing import CheckpointManager
+    from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 
-
-def test_a_forked_writer_runs_below_the_training_priority(tmp_path):
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
-
-    from megatron.bridge.training.checkpoint import async_writer
-
-    queue, out = AsyncCallsQueue(persistent=False), tmp_path / "nice"
-    queue.schedule_async_request(AsyncRequest(async_writer.behind_training(_write_niceness), (str(out),), []))
-    try:
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-        assert int(out.read_text()) == min(19, os.nice(0) + async_writer.WRITER_NICENESS)  # 19: the lowest
-    finally:
-        queue.close(abort=True)
+    manager = CheckpointManager.__new__(CheckpointManager)  # only the stop path is exercised
+    commits = []
+    manager._finalize_global = lambda blocking, no_dist=False: commits.append(blocking)
+    manager._queue, manager._pending = object(), 3
+    with pytest.raises(TrainingExit):
+        with manager._global_save_kept_on_a_local_stop():
+            raise TrainingExit(ExitCode.STORAGE_FULL, "the local tier is full")
+    assert commits == [True]  # waited for and committed before the exit goes on
+    with pytest.raises(OSError):
+        with manager._global_save_kept_on_a_local_stop():
+            raise OSError("not a stop: nothing is committed on the way out")
+    manager._pending = None
+    with pytest.raises(TrainingExit):
+        with manager._global_save_kept_on_a_local_stop():
+            raise TrainingExit(ExitCode.STORAGE_FULL, "nothing in flight")
+    assert commits == [True]

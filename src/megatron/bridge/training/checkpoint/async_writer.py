@@ -32,12 +32,6 @@ _RESULTS_QUEUES = (f"{_FS_ASYNC}:_results_queue", f"{upstream.NVRX_ASYNC}.filesy
 """The writers' results queue of megatron-core's writer, and of nvidia-resiliency-ext's (which megatron-core 0.17
 and later write through): both are given the same queue."""
 
-WRITER_NICENESS = 10
-"""How much lower than training a forked checkpoint writer is scheduled (``os.nice``). A writer forked from a rank
-pinned to its cores shares them with that rank: at equal priority it took about half a core from the steps right
-after each save on a 2-core machine. Lowered, it writes while the rank waits (in collectives, for data) and is never
-starved: a rank that waits for its save (a stop, the next save, the end of training) leaves it the whole core."""
-
 REPORT_SECONDS = 120.0
 """A background writer still running after this many seconds (and every as many after) logs it with its stack."""
 
@@ -151,25 +145,7 @@ def writer(write_fn: Callable[..., None], ckpt_dir: str, rank: int, iteration: i
     return functools.partial(_write_and_hash, write_fn, ckpt_dir, rank, iteration)
 
 
-def behind_training(fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn``, to run in a forked writer at :data:`WRITER_NICENESS` below the training process."""
-    return functools.partial(_behind_training, fn)
-
-
-def _behind_training(fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-    _lower_priority()
-    fn(*args, **kwargs)
-
-
-def _lower_priority() -> None:
-    try:
-        os.nice(WRITER_NICENESS)
-    except OSError as err:  # a sandbox may refuse even lowering: write at the training priority
-        logger.debug("checkpoint writer keeps its priority: %s", err)
-
-
 def _write_and_hash(write_fn: Any, ckpt_dir: str, rank: int, iteration: int, *args: Any, **kwargs: Any) -> None:
-    _lower_priority()
     done = threading.Event()
     threading.Thread(target=_report_while_running, args=(done, rank, iteration), daemon=True).start()
     try:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import event_stream, fault_injection
-from megatron.bridge.training.checkpoint import async_writer, storage
+from megatron.bridge.training.checkpoint import storage
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.utils import dist as dist_utils
 from megatron.bridge.utils import upstream
@@ -367,9 +367,7 @@ class LocalTier:
 
             self._queue.schedule_async_request(
                 AsyncRequest(
-                    async_writer.behind_training(request.async_fn),
-                    request.async_fn_args,
-                    [*request.finalize_fns, lambda: self._saved(iteration)],
+                    request.async_fn, request.async_fn_args, [*request.finalize_fns, lambda: self._saved(iteration)]
                 )
             )
             self._pending = iteration
