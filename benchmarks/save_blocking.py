@@ -5,10 +5,10 @@ with ``true``, and with ``true`` and megatron-core's save plan cached (``checkpo
 What each run's training thread spent on saves is read from rank 0's own accounting, not from its log: goodput's
 ``checkpoint_save`` time (``<checkpoint.save>/goodput/summary.json``), which counts every moment the loop is blocked
 on a save: the save calls (for an async save: the wait for the previous one to finish and
-commit, then the scheduling), the commit poll at the start of every step (a collective that asks whether every rank
-finished writing, and the commit when they did), and the wait for the last save when training closes. The event
-stream's ``checkpoint_saved`` events (``seconds``: the loop's time in one save call) split it into the save calls and
-the rest (per-step polls and the wait at close). Every save of the run counts, the first one (async: the writer's
+commit, then the scheduling), the commit after the step where every rank finished writing (whether they did travels
+in the step's one agreement all-reduce), and the wait for the last save when training closes. The event stream's
+``checkpoint_saved`` events (``seconds``: the loop's time in one save call) split it into the save calls and the
+rest (commits and the wait at close). Every save of the run counts, the first one (async: the writer's
 start-up) included.
 
     python benchmarks/save_blocking.py [--hidden-size 512 --num-layers 4 --saves 6 --interval 3]
@@ -50,7 +50,7 @@ class SaveTime:
 
     @property
     def rest_s(self) -> float:
-        """Per-step commit polls and the wait at close: what the save calls leave of the total."""
+        """Commits and the wait at close: what the save calls leave of the total."""
         return self.total_s - sum(self.calls_s.values())
 
 
@@ -97,7 +97,7 @@ def main() -> None:
         size_mb = sum(f.stat().st_size for f in (Path(tmp) / "sync").glob("iter_*/**/*") if f.is_file()) / 2**20
     print(f"model hidden={args.hidden_size} layers={args.num_layers}; {size_mb / 2:.1f} MiB per checkpoint")
     print(f"time rank 0's training thread spent on saves, {args.saves} saves every {args.interval} steps:")
-    print("| run | total | save calls | per-step polls + wait at close | first save call | other save calls |")
+    print("| run | total | save calls | commits + wait at close | first save call | other save calls |")
     print("|---|---|---|---|---|---|")
     for name, run in (("sync", sync), ("async", async_), ("async, cached plan", cached)):
         first = min(run.calls_s)
@@ -114,14 +114,14 @@ def main() -> None:
     print(f"RATIO async/sync time on saves = {ratio:.3f} (target <= 0.10)")
     emit_result(
         NAME, "async / sync: training thread's time on saves (all of the run's saves)", ratio,
-        f"{async_.total_s:.3f} s (async: save calls {sum(async_.calls_s.values()):.3f} s + polls and wait at close "
+        f"{async_.total_s:.3f} s (async: save calls {sum(async_.calls_s.values()):.3f} s + commits and wait at close "
         f"{async_.rest_s:.3f} s; {async_.saves} saves)",
         f"{sync.total_s:.3f} s (sync, {sync.saves} saves)", "<= 0.10",
     )  # fmt: skip
     emit_result(
         NAME, "async with the save plan cached / sync: training thread's time on saves", cached.total_s / sync.total_s,
         f"{cached.total_s:.3f} s (checkpoint.ckpt_assume_constant_structure: save calls "
-        f"{sum(cached.calls_s.values()):.3f} s + polls and wait at close {cached.rest_s:.3f} s)",
+        f"{sum(cached.calls_s.values()):.3f} s + commits and wait at close {cached.rest_s:.3f} s)",
         f"{sync.total_s:.3f} s (sync, {sync.saves} saves)", "<= 0.05",
     )  # fmt: skip
 
