@@ -44,3 +44,33 @@ def test_a_global_save_already_made_at_this_iteration_is_not_repeated():
 def test_without_a_save_directory_nothing_global_is_saved():
     ctx = _ctx(12, save_interval=4, save=None)
     assert train._due_save(ctx, stopping=True) is None
+
+
+def _agreement_ctx(signal_handler=False, in_flight=False, busy=(False, False), received=False):
+    import torch
+
+    from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
+
+    train_cfg = SimpleNamespace(exit_signal_handler=signal_handler, exit_duration_in_mins=None)
+    checkpoints = SimpleNamespace(async_save_in_flight=in_flight, busy_here=lambda: AsyncSavesBusy(*busy))
+    return SimpleNamespace(
+        cfg=SimpleNamespace(train=train_cfg),
+        checkpoints=checkpoints,
+        signals=SimpleNamespace(received=received),
+        start_time=0.0,
+        model=[torch.nn.Linear(1, 1)],
+    )
+
+
+def test_the_step_agreement_carries_stop_flags_and_saves_in_one_collective(monkeypatch):
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None: calls.append(tensor.tolist()))
+    assert train.agree_after_step(_agreement_ctx()) == train.StepAgreement()  # nothing to agree: no collective
+    assert calls == []
+    agreed = train.agree_after_step(_agreement_ctx(in_flight=True, busy=(True, False)))
+    assert calls == [[0, 0, 1, 0]]  # one all-reduce: signal, duration, global busy, local busy
+    assert agreed.saves_busy.global_tier and not agreed.saves_busy.local_tier and not agreed.signalled
+    agreed = train.agree_after_step(_agreement_ctx(signal_handler=True, received=True))
+    assert calls[-1] == [1, 0, 0, 0] and agreed.signalled and agreed.saves_busy is None

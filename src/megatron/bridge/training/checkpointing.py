@@ -749,8 +749,7 @@ class CheckpointManager:
 
         The stop is agreed by every rank at the same point (the storage guard's verdict, or a failed background
         write that every rank sees in the same poll), so the commit's collectives are safe; the global write is
-        healthy and would otherwise be abandoned (a writer still busy when the stop comes: under load, or running
-        behind training at its lower priority).
+        healthy and would otherwise be abandoned (its writer may still be busy when the stop comes, under load).
         """
         try:
             yield

@@ -175,7 +175,8 @@ class TrainingConfig:
     grace time (``PreemptionPlugin.preempt_time``, Slurm ``KillWait``); ``None`` waits for the save however long."""
     manual_gc: bool = False
     """Turn Python's automatic garbage collection off and collect on every rank at the same steps, every
-    ``manual_gc_interval`` steps (``training/garbage_collection.py``; set-up's objects are frozen either way)."""
+    ``manual_gc_interval`` steps (``training/garbage_collection.py``; set-up's objects are frozen either way, except
+    under in-process restart)."""
     manual_gc_interval: int = 0
     """Steps between manual garbage collections (0: only around evaluation, with ``manual_gc_eval``)."""
     manual_gc_eval: bool = True
