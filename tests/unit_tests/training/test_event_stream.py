@@ -90,15 +90,20 @@ def test_every_field_has_a_type_the_reader_checks():
     assert {f.name for f in dataclasses.fields(Event)} == typed
 
 
-def _append_many(path_dir: str, writer_id: int, count: int) -> None:
-    w = EventWriter(path_dir, "events-shared.jsonl", Process.WORKER, rank=writer_id)
+def _append_many(path_dir: str, writer_id: int, count: int, buffered: bool) -> None:
+    kinds = event_stream.BUFFERED_KINDS if buffered else frozenset()
+    w = EventWriter(path_dir, "events-shared.jsonl", Process.WORKER, kinds, rank=writer_id)
     for i in range(count):
         w.emit(EventKind.STEP_COMPLETED, iteration=i, detail=f"{writer_id}:{i}:" + "x" * 16000)
+        if i % 7 == 6:
+            w.flush()
+    w.close()
 
 
-def test_concurrent_appends_from_several_processes_are_whole_lines(tmp_path):
+@pytest.mark.parametrize("buffered", [False, True], ids=["line-by-line", "buffered"])
+def test_concurrent_appends_from_several_processes_are_whole_lines(tmp_path, buffered):
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_append_many, args=(str(tmp_path), n, 300)) for n in range(4)]
+    procs = [ctx.Process(target=_append_many, args=(str(tmp_path), n, 300, buffered)) for n in range(4)]
     for p in procs:
         p.start()
     for p in procs:
@@ -113,6 +118,86 @@ def test_concurrent_appends_from_several_processes_are_whole_lines(tmp_path):
     for e in read_file(str(tmp_path / "events-shared.jsonl"))[0]:  # file order: each writer's lines in its order
         per_writer.setdefault(e.rank, []).append(e.iteration)
     assert per_writer == {n: list(range(300)) for n in range(4)}
+
+
+def _buffered(tmp_path, rank=0):
+    return EventWriter(str(tmp_path), worker_file(rank), Process.WORKER, event_stream.BUFFERED_KINDS, rank=rank)
+
+
+def test_step_events_wait_in_memory_until_a_flush_or_the_next_event_of_another_kind(tmp_path):
+    w = _buffered(tmp_path)
+    assert w.emit(EventKind.STEP_COMPLETED, iteration=1, seconds=0.1) is not None
+    w.emit(EventKind.STEP_COMPLETED, iteration=2, seconds=0.1)
+    assert read_file(w.path)[0] == []  # no system call per step
+    w.flush()
+    assert [e.iteration for e in read_file(w.path)[0]] == [1, 2]
+    w.emit(EventKind.STEP_COMPLETED, iteration=3, seconds=0.1)
+    w.emit(EventKind.FAULT_INJECTED, fault="kill@4:0", fault_kind="kill", iteration=4)  # written at once, after step 3
+    w.emit(EventKind.STEP_COMPLETED, iteration=4, seconds=0.1)
+    events = read_file(w.path)[0]
+    assert [(e.kind, e.iteration) for e in events[2:]] == [(EventKind.STEP_COMPLETED, 3), (EventKind.FAULT_INJECTED, 4)]
+    w.close()  # closing writes the rest
+    events = read_file(w.path)[0]
+    assert [e.iteration for e in events] == [1, 2, 3, 4, 4]
+    assert [e.time for e in events] == sorted(e.time for e in events)  # each kept the time it was emitted
+    w.emit(EventKind.EXIT, exit_code=0)  # the next event opens the file again
+    assert read_file(w.path)[0][-1].kind == EventKind.EXIT
+
+
+def _child_emits_a_fault(w: EventWriter) -> None:
+    w.emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.LAUNCHER_WORKER_EXIT, rank=1)
+    w.close()
+
+
+def test_a_forked_child_never_writes_its_parents_buffered_steps(tmp_path):
+    w = _buffered(tmp_path)
+    w.emit(EventKind.STEP_COMPLETED, iteration=1, seconds=0.1)
+    child = multiprocessing.get_context("fork").Process(target=_child_emits_a_fault, args=(w,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert [e.kind for e in read_file(w.path)[0]] == [EventKind.FAULT_DETECTED]
+    w.flush()
+    assert [e.kind for e in read_file(w.path)[0]] == [EventKind.FAULT_DETECTED, EventKind.STEP_COMPLETED]
+
+
+_RANK_SCRIPT = """
+import os, signal, sys
+from types import SimpleNamespace
+from megatron.bridge.training import event_stream
+from megatron.bridge.training.callbacks import CallbackContext
+from megatron.bridge.training.event_recorder import EventRecorder
+from megatron.bridge.training.event_stream import EventKind
+event_stream.configure(sys.argv[1], rank=0)
+recorder = EventRecorder(0, flush_interval=5)
+for step in range(7):  # iterations 1..7: flushed after 5
+    state = SimpleNamespace(train_state=SimpleNamespace(step=step))
+    recorder.on_train_step_end(CallbackContext(state=state, model=[], step_time=0.01, skipped_iter=False))
+if sys.argv[2] == "fault":
+    event_stream.emit(EventKind.FAULT_INJECTED, fault="kill@8:0", fault_kind="kill", iteration=8)
+    for step in range(7, 9):
+        state = SimpleNamespace(train_state=SimpleNamespace(step=step))
+        recorder.on_train_step_end(CallbackContext(state=state, model=[], step_time=0.01, skipped_iter=False))
+if sys.argv[2] in ("kill", "fault"):
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(3)  # no close: the interpreter's exit writes the buffered steps
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "ending, iterations",
+    [("kill", [1, 2, 3, 4, 5]), ("fault", [1, 2, 3, 4, 5, 6, 7, "fault"]), ("exit", [1, 2, 3, 4, 5, 6, 7])],
+)
+def test_a_sigkill_loses_at_most_the_steps_since_the_last_flush_and_never_another_event(tmp_path, ending, iterations):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _RANK_SCRIPT, str(tmp_path), ending], capture_output=True, timeout=50)
+    assert run.returncode == (-9 if ending != "exit" else 3), run.stderr.decode()[-2000:]
+    events, problems = read_events(str(tmp_path))
+    assert problems == []
+    assert [e.iteration if e.kind == EventKind.STEP_COMPLETED else "fault" for e in events] == iterations
 
 
 def test_bad_lines_are_reported_with_their_line_number_and_skipped(tmp_path):
@@ -207,7 +292,7 @@ def _ctx(step, **fields):
 
 def test_the_recorder_writes_steps_saves_sync_and_async_loads_and_the_exit(tmp_path):
     w = _writer(tmp_path)
-    rec = EventRecorder(0, emit=w.emit)
+    rec = EventRecorder(0, writer=w)
     ckpt = tmp_path / "ckpt" / "iter_0000010"
     ckpt.mkdir(parents=True)
     (ckpt / "a.distcp").write_bytes(b"x" * 1000)
@@ -245,7 +330,7 @@ def test_the_recorder_writes_steps_saves_sync_and_async_loads_and_the_exit(tmp_p
     assert (async_.tier, async_.iteration, async_.bytes) == ("local", 15, 50)
     assert async_.commit_seconds >= async_.seconds
     assert (end.exit_code, end.detail) == (0, "reached train.train_iters=16")
-    other = EventRecorder(1, emit=_writer(tmp_path, rank=1).emit)  # only rank 0 measures sizes
+    other = EventRecorder(1, writer=_writer(tmp_path, rank=1))  # only rank 0 measures sizes
     other.on_checkpoint_save(CheckpointCallbackContext(None, str(ckpt), CheckpointType.GLOBAL, iteration=10))
     (saved,) = read_file(str(tmp_path / worker_file(1)))[0]
     assert saved.bytes is None and saved.seconds is None

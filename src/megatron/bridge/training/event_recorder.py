@@ -45,12 +45,15 @@ class EventRecorder(Callback):
 
     Args:
         rank: this process's global rank (rank 0 measures checkpoint sizes).
-        emit: where events go (default: :func:`event_stream.emit`; tests pass a writer's ``emit``).
+        flush_interval: the steps between writes of the buffered step events (the loop's log interval).
+        writer: where events go (default: this process's, :func:`event_stream.writer`; tests pass their own).
     """
 
-    def __init__(self, rank: int, emit: Any = None) -> None:
+    def __init__(self, rank: int, flush_interval: int = 1, writer: Optional[event_stream.EventWriter] = None) -> None:
         self.rank = rank
-        self._emit = emit or event_stream.emit
+        self.flush_interval = max(1, flush_interval)
+        self._emit = writer.emit if writer is not None else event_stream.emit
+        self._flush = writer.flush if writer is not None else event_stream.flush
         self._saves: dict[int, dict[str, Any]] = {}
         """Iteration -> what is known of its save so far (start, blocking seconds, commit)."""
         self._current: Optional[int] = None
@@ -73,13 +76,17 @@ class EventRecorder(Callback):
     # -------------------------------------------------------------- the loop's events
 
     def on_train_step_end(self, context: Any) -> None:
-        """A step ran: its iteration (counted after this event), time and whether its update was kept."""
+        """A step ran: its iteration (counted after this event), time and whether its update was kept.
+
+        Step events are buffered by the writer; they reach the file every ``flush_interval`` steps (or sooner, with
+        any other event).
+        """
+        iteration = context.state.train_state.step + 1
         self._emit(
-            EventKind.STEP_COMPLETED,
-            iteration=context.state.train_state.step + 1,
-            seconds=context.step_time,
-            applied=not context.skipped_iter,
+            EventKind.STEP_COMPLETED, iteration=iteration, seconds=context.step_time, applied=not context.skipped_iter
         )
+        if iteration % self.flush_interval == 0:
+            self._flush()
 
     def on_checkpoint_save_start(self, context: Any) -> None:
         """A save of the current iteration starts blocking the loop."""

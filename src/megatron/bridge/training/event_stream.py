@@ -11,10 +11,15 @@ How:
 
 * One directory per job; one file per writer: ``events-rank<R>.jsonl`` for a training rank (a restarted rank appends
   to its predecessor's file), ``events-launcher-<host>.jsonl`` for a node's launcher and its rank monitors.
-* Each event is one line written with a single ``os.write`` on an ``O_APPEND`` descriptor: on a local file system a
-  line is never interleaved with another writer's and never half visible; a SIGKILLed process loses at most the line
-  it was writing. Nothing is buffered in the process (no flush to forget), nothing is fsynced (a machine crash may
-  lose the last lines: this is observation, not state).
+* Each write is whole lines in a single ``os.write`` on an ``O_APPEND`` descriptor: on a local file system a line is
+  never interleaved with another writer's and never half visible. Nothing is fsynced (a machine crash may lose the
+  last lines: this is observation, not state).
+* Step events are the one kind written every step, so a training rank's writer keeps them in memory
+  (``buffered``) and writes them with the next event of another kind, at :func:`flush` (the loop calls it at its
+  log interval), when the writer is closed or reconfigured, and at interpreter exit: a step costs no system call,
+  and a SIGKILLed rank loses at most the step events since its last flush, never a fault, restart, checkpoint or exit
+  event (those are written at once, after the buffered steps, in the same ``os.write``). Each event keeps the time
+  it was emitted, so readers see the same order either way.
 * Writing never raises into the caller: an unwritable directory or a bad field is logged once and the event dropped.
 * :func:`read_events` returns ``(events, problems)``: a truncated line, a line that is not JSON, an unknown version
   ``v``, an unknown kind, mechanism or layer, a field of the wrong type is a :class:`Problem` naming the file and the
@@ -32,6 +37,7 @@ Example:
     >>> events, problems = read_events("/runs/job/events")
 """
 
+import atexit
 import dataclasses
 import enum
 import glob
@@ -374,10 +380,13 @@ class EventWriter:
         directory: the event directory (created on the first event).
         name: the file name in it (:func:`worker_file`, :func:`launcher_file`).
         process: the kind of process writing.
+        buffered: kinds kept in memory until the next event of another kind or :meth:`flush` (see the module doc).
         context: fields added to every event unless the event sets them (the writer's rank, restart count, ...).
     """
 
-    def __init__(self, directory: str, name: str, process: Process, **context: Any) -> None:
+    def __init__(
+        self, directory: str, name: str, process: Process, buffered: frozenset = frozenset(), **context: Any
+    ) -> None:
         unknown = set(context) - set(_FIELDS)
         if unknown:
             raise TypeError(f"EventWriter: unknown context fields {sorted(unknown)}")
@@ -390,6 +399,10 @@ class EventWriter:
         self._fd_pid: Optional[int] = None
         self._lock = threading.Lock()
         self._failed = False
+        self.buffered = frozenset(EventKind(k) for k in buffered)
+        self._pending: list[bytes] = []
+        """Lines of buffered kinds not written yet (this process's: a forked child drops its parent's)."""
+        self._pending_pid = os.getpid()
 
     def emit(self, kind: Union[EventKind, str], **fields: Any) -> Optional[Event]:
         """Append one event of ``kind`` with ``fields`` (names of :class:`Event`); the event, or ``None`` if dropped."""
@@ -410,27 +423,48 @@ class EventWriter:
         except (TypeError, ValueError) as err:  # a programming error in the caller: say so, never stop training
             logger.error("event stream: dropped a %s event with bad fields %s: %s", kind, sorted(fields), err)
             return None
-        try:
-            self._write(line)
-        except OSError as err:
-            if not self._failed:
-                self._failed = True
-                logger.warning("event stream: cannot append to %s (%s); events are dropped", self.path, err)
-            return None
-        return event
+        if event.kind in self.buffered:
+            with self._lock:
+                self._own_pending().append(line)
+            return event
+        return event if self._write(line) else None
 
-    def _write(self, line: bytes) -> None:
+    def flush(self) -> None:
+        """Write the buffered events now (nothing to do when none are buffered); never raises."""
+        if self._pending:
+            self._write(b"")
+
+    def _own_pending(self) -> list[bytes]:
+        if self._pending_pid != os.getpid():  # a forked child: the parent's lines are the parent's to write
+            self._pending, self._pending_pid = [], os.getpid()
+        return self._pending
+
+    def _write(self, line: bytes) -> bool:
+        """Write the buffered lines and then ``line``, in one ``os.write``; ``False`` if it failed (logged once)."""
         with self._lock:
-            if self._fd is None or self._fd_pid != os.getpid():  # a forked child opens its own descriptor
-                os.makedirs(self.directory, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                self._fd_pid = os.getpid()
-            written = os.write(self._fd, line)
-            if written < len(line):  # only on a full disk or a signal mid-write: finish the line
-                os.write(self._fd, line[written:])
+            pending = self._own_pending()
+            data = b"".join(pending) + line if pending else line
+            self._pending = []
+            if not data:
+                return True
+            try:
+                if self._fd is None or self._fd_pid != os.getpid():  # a forked child opens its own descriptor
+                    os.makedirs(self.directory, exist_ok=True)
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                    self._fd_pid = os.getpid()
+                written = os.write(self._fd, data)
+                if written < len(data):  # only on a full disk or a signal mid-write: finish the lines
+                    os.write(self._fd, data[written:])
+            except OSError as err:
+                if not self._failed:
+                    self._failed = True
+                    logger.warning("event stream: cannot append to %s (%s); events are dropped", self.path, err)
+                return False
+        return True
 
     def close(self) -> None:
-        """Close the file (the next event opens it again)."""
+        """Write the buffered events and close the file (the next event opens it again)."""
+        self.flush()
         with self._lock:
             if self._fd is not None and self._fd_pid == os.getpid():
                 os.close(self._fd)
@@ -460,8 +494,22 @@ def configure(
     if directory:
         context = {"rank": rank, "local_rank": local_rank, "restart_count": restart_count}
         context["inprocess_iteration"] = inprocess_iteration
-        _writer = EventWriter(directory, worker_file(rank), Process.WORKER, **context)
+        _writer = EventWriter(directory, worker_file(rank), Process.WORKER, BUFFERED_KINDS, **context)
     return _writer
+
+
+BUFFERED_KINDS = frozenset({EventKind.STEP_COMPLETED})
+"""The kinds a training rank's writer buffers: the one written every step."""
+
+
+def flush() -> None:
+    """Write this process's buffered events (the loop calls it at its log interval); never raises."""
+    current = _writer
+    if current is not None:
+        current.flush()
+
+
+atexit.register(flush)  # an exit without an exception handler's close (sys.exit in user code) loses nothing
 
 
 def writer() -> Optional[EventWriter]:

@@ -157,7 +157,7 @@ def _pretrain(
         restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         inprocess_iteration=inprocess_iteration,
     )
-    recorder = EventRecorder(rank)
+    recorder = EventRecorder(rank, flush_interval=cfg.logger.log_interval)
     if is_enabled(cfg.ft, "enable_ft_package"):
         fault_tolerance.setup(cfg, global_state)  # first: a hang from here on is the ``setup`` section's
         if is_enabled(cfg.inprocess_restart):  # the inner layer acts first: no hang timeout below its hard timeout
