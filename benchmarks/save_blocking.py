@@ -1,129 +1,154 @@
-"""Time the training thread spends on sync vs async checkpoint saves, measured in the same run, printed as a ratio.
+"""Time the training loop is blocked by one checkpoint save, sync vs async, per tier, measured in the same run.
 
-Trains the GPT recipe three times on 2 ranks (same model, same save schedule): with ``checkpoint.async_save=false``,
-with ``true``, and with ``true`` and megatron-core's save plan cached (``checkpoint.ckpt_assume_constant_structure``).
-What each run's training thread spent on saves is read from rank 0's own accounting, not from its log: goodput's
-``checkpoint_save`` time (``<checkpoint.save>/goodput/summary.json``), which counts every moment the loop is blocked
-on a save: the save calls (for an async save: the wait for the previous one to finish and
-commit, then the scheduling), the commit after the step where every rank finished writing (whether they did travels
-in the step's one agreement all-reduce), and the wait for the last save when training closes. The event stream's
-``checkpoint_saved`` events (``seconds``: the loop's time in one save call) split it into the save calls and the
-rest (commits and the wait at close). Every save of the run counts, the first one (async: the writer's
-start-up) included.
+Trains the GPT example on 2 ranks five times with the same model and save schedule: global saves synchronous,
+asynchronous, and asynchronous with megatron-core's save plan cached (``checkpoint.ckpt_assume_constant_structure``);
+then local-tier saves (``checkpoint.non_persistent_ckpt_type=local``) synchronous and asynchronous. Each run's numbers
+come from rank 0's event stream, never from its log:
 
-    python benchmarks/save_blocking.py [--hidden-size 512 --num-layers 4 --saves 6 --interval 3]
+- a save's *call* is the loop's time in the save (``checkpoint_saved``'s ``seconds``): the whole save when it is
+  synchronous; the state dict, the plan and the writer's start when it is asynchronous;
+- an asynchronous save is also *committed* by the loop, a few steps later, after the step where every rank finished
+  writing: the loop's time in that finalize (``finalize_seconds``);
+- blocking per save = call + commit. Steady state: the first save (the writer's start-up, the plan's first
+  exchange) and a save still in flight when training ends (the loop then waits for all of it) are left out. The
+  figure is the median over the remaining saves. On a machine without spare cores (2 cores, 2 ranks) the background
+  writer also slows the steps it overlaps: that is not blocking; each run's median step interval is printed beside.
 
-Targets: the async run's time on saves <= 10% of the sync run's; with the plan cached <= 5%.
+Printed: a table of every save, and one ratio per asynchronous mode against the synchronous save of the same tier.
+
+    python benchmarks/save_blocking.py [--hidden-size 512 --num-layers 4 --saves 8 --interval 3]
+
+Targets (issue 33): async global save blocking <= 5 % of a synchronous one (the cached plan); the local tier is
+reported the same way.
 """
 
 import argparse
-import json
+import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from _result import emit_result
 
-from megatron.bridge.training.event_stream import EventKind, read_file, worker_file
+from megatron.bridge.training.event_stream import Event, EventKind, read_file, worker_file
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "save_blocking"
+TARGET = "<= 0.05"
 
 
 @dataclass(frozen=True)
-class SaveTime:
-    """What one run's training thread (rank 0) spent on checkpoint saves.
+class Save:
+    """One save of a run, as the loop felt it (seconds)."""
 
-    Attributes:
-        total_s: all of it (goodput's ``checkpoint_save``).
-        calls_s: the save calls (``checkpoint_saved`` events' ``seconds``), by iteration.
-    """
-
-    total_s: float
-    calls_s: dict[int, float]
-
-    @property
-    def saves(self) -> int:
-        return len(self.calls_s)
+    iteration: int
+    call_s: float
+    commit_s: Optional[float]
+    """The commit's extra time in its step (``None``: synchronous, the commit is in the call; or at the close)."""
+    steady: bool
+    """Neither the run's first save nor one committed after the last step."""
 
     @property
-    def rest_s(self) -> float:
-        """Commits and the wait at close: what the save calls leave of the total."""
-        return self.total_s - sum(self.calls_s.values())
+    def blocking_s(self) -> float:
+        return self.call_s + (self.commit_s or 0.0)
 
 
-def _train(ckpt: Path, async_save: bool, args: argparse.Namespace, cached_plan: bool = False) -> SaveTime:
-    iters = args.saves * args.interval
-    events = ckpt.parent / f"{ckpt.name}-events"
+def saves_of(events: list[Event], tier: str, asynchronous: bool) -> list[Save]:
+    """The saves of ``tier`` in rank 0's ``events``."""
+    events = sorted(events, key=lambda e: (e.time, e.mono or 0.0))
+    last_step = max((e.time for e in events if e.kind == EventKind.STEP_COMPLETED), default=float("inf"))
+    saved = [e for e in events if e.kind == EventKind.CHECKPOINT_SAVED and e.tier == tier and e.seconds is not None]
+    first = min((e.iteration for e in saved), default=None)
+    found = []
+    for e in saved:
+        at_close = asynchronous and e.time > last_step  # committed by the wait when training ends
+        commit = e.finalize_seconds if asynchronous else None
+        found.append(Save(e.iteration, e.seconds, commit, steady=e.iteration != first and not at_close))
+    return found
+
+
+def _train(tmp: Path, name: str, args: argparse.Namespace, *, asynchronous: bool, tier: str, cached: bool = False):
+    ckpt, events = tmp / name, tmp / f"{name}-events"
+    iters = args.saves * args.interval + 2  # two steps after the last save: its commit happens in the loop
+    schedule = [f"checkpoint.save_interval={args.interval}"]
+    if tier == "local":
+        schedule = [
+            f"checkpoint.save_interval={10 * iters}", f"checkpoint.load={ckpt}",
+            "checkpoint.non_persistent_ckpt_type=local",
+            f"checkpoint.non_persistent_save_interval={args.interval}",
+            f"checkpoint.non_persistent_local_ckpt_dir={tmp / f'{name}-local'}",
+        ]  # fmt: skip
     cmd = [
         sys.executable, "-m", "megatron.bridge.launch", "--standalone", "--nproc-per-node=2",
-        str(REPO / "examples" / "pretrain_tiny_gpt.py"),
-        f"checkpoint.save={ckpt}", f"checkpoint.save_interval={args.interval}", "checkpoint.most_recent_k=2",
-        f"checkpoint.async_save={str(async_save).lower()}", f"train.train_iters={iters}",
+        str(REPO / "examples" / "pretrain_tiny_gpt.py"), f"checkpoint.save={ckpt}", *schedule,
+        "checkpoint.most_recent_k=2", f"checkpoint.async_save={str(asynchronous).lower()}",
+        f"train.train_iters={iters}",
         f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.num_layers}",
         f"model.num_attention_heads={args.hidden_size // 64}", "logger.log_interval=1000",
-        f"health.event_dir={events}", f"checkpoint.ckpt_assume_constant_structure={str(cached_plan).lower()}",
+        f"health.event_dir={events}", f"checkpoint.ckpt_assume_constant_structure={str(cached).lower()}",
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     if out.returncode != 0:
         sys.exit(f"training failed ({out.returncode}):\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
-    summary = json.loads((ckpt / "goodput" / "summary.json").read_text())
     found, problems = read_file(str(events / worker_file(0)))
     if problems:
         sys.exit(f"unreadable events of rank 0: {problems[:3]}")
-    calls = {
-        e.iteration: e.seconds
-        for e in found
-        if e.kind == EventKind.CHECKPOINT_SAVED and e.tier == "global" and e.seconds is not None
-    }
-    if len(calls) != args.saves:
-        sys.exit(f"{len(calls)} global saves in rank 0's events, expected {args.saves}: {sorted(calls)}")
-    return SaveTime(float(summary["lost_s"]["checkpoint_save"]), calls)
+    saves = saves_of(found, tier, asynchronous)
+    if len([s for s in saves if s.iteration % args.interval == 0]) < args.saves:
+        sys.exit(f"{name}: {len(saves)} {tier} saves in rank 0's events, expected {args.saves}")
+    steps = sorted(e.time for e in found if e.kind == EventKind.STEP_COMPLETED)
+    return saves, statistics.median(b - a for a, b in zip(steps, steps[1:]))
+
+
+def _median_blocking(saves: list[Save]) -> float:
+    return statistics.median(s.blocking_s for s in saves if s.steady)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--saves", type=int, default=6)
+    parser.add_argument("--saves", type=int, default=8)
     parser.add_argument("--interval", type=int, default=3)
     args = parser.parse_args()
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sync = _train(Path(tmp) / "sync", False, args)
-        async_ = _train(Path(tmp) / "async", True, args)
-        cached = _train(Path(tmp) / "cached", True, args, cached_plan=True)
-        size_mb = sum(f.stat().st_size for f in (Path(tmp) / "sync").glob("iter_*/**/*") if f.is_file()) / 2**20
+        modes = (
+            ("global sync", False, "global", False), ("global async", True, "global", False),
+            ("global async, cached plan", True, "global", True),
+            ("local sync", False, "local", False), ("local async", True, "local", False),
+        )  # fmt: skip
+        for i, (name, asynchronous, tier, cached) in enumerate(modes, 1):
+            print(f"[{i}/{len(modes)}] {name} ...", flush=True)
+            runs[name] = _train(Path(tmp), f"run{i}", args, asynchronous=asynchronous, tier=tier, cached=cached)
+        size_mb = sum(f.stat().st_size for f in (Path(tmp) / "run1").glob("iter_*/**/*") if f.is_file()) / 2**20
     print(f"model hidden={args.hidden_size} layers={args.num_layers}; {size_mb / 2:.1f} MiB per checkpoint")
-    print(f"time rank 0's training thread spent on saves, {args.saves} saves every {args.interval} steps:")
-    print("| run | total | save calls | commits + wait at close | first save call | other save calls |")
-    print("|---|---|---|---|---|---|")
-    for name, run in (("sync", sync), ("async", async_), ("async, cached plan", cached)):
-        first = min(run.calls_s)
-        others = sum(t for it, t in run.calls_s.items() if it != first)
-        print(
-            f"| {name} | {run.total_s:.3f} s | {sum(run.calls_s.values()):.3f} s | {run.rest_s:.3f} s | "
-            f"{run.calls_s[first]:.3f} s | {others:.3f} s |"
-        )
-    print(
-        "(the save calls as the event stream times them also hold the bookkeeping after a save, goodput's own progress "
-        "record among it, which goodput's count leaves out: a few ms per save, hence a sync run's small negative rest)"
-    )
-    ratio = async_.total_s / sync.total_s
-    print(f"RATIO async/sync time on saves = {ratio:.3f} (target <= 0.10)")
-    emit_result(
-        NAME, "async / sync: training thread's time on saves (all of the run's saves)", ratio,
-        f"{async_.total_s:.3f} s (async: save calls {sum(async_.calls_s.values()):.3f} s + commits and wait at close "
-        f"{async_.rest_s:.3f} s; {async_.saves} saves)",
-        f"{sync.total_s:.3f} s (sync, {sync.saves} saves)", "<= 0.10",
-    )  # fmt: skip
-    emit_result(
-        NAME, "async with the save plan cached / sync: training thread's time on saves", cached.total_s / sync.total_s,
-        f"{cached.total_s:.3f} s (checkpoint.ckpt_assume_constant_structure: save calls "
-        f"{sum(cached.calls_s.values()):.3f} s + commits and wait at close {cached.rest_s:.3f} s)",
-        f"{sync.total_s:.3f} s (sync, {sync.saves} saves)", "<= 0.05",
-    )  # fmt: skip
+    print(f"rank 0's loop blocked per save (s), {args.saves} saves every {args.interval} steps; * = steady state")
+    print("| run | step interval | " + " | ".join(f"it {s.iteration}" for s in runs["global sync"][0]) + " | median |")
+    for name, (saves, base) in runs.items():
+        cells = [
+            f"{s.call_s:.3f}" + (f"+{s.commit_s:.3f}" if s.commit_s is not None else "") + ("*" if s.steady else "")
+            for s in saves
+        ]
+        print(f"| {name} | {base:.3f} | " + " | ".join(cells) + f" | {_median_blocking(saves):.3f} |")
+    for tier in ("global", "local"):
+        sync = _median_blocking(runs[f"{tier} sync"][0])
+        for mode in [m for m in runs if m.startswith(f"{tier} async")]:
+            saves = runs[mode][0]
+            steady = [s for s in saves if s.steady]
+            value = _median_blocking(saves)
+            call = statistics.median(s.call_s for s in steady)
+            commit = statistics.median(s.commit_s or 0.0 for s in steady)
+            print(f"RATIO {mode} / sync = {value / sync:.3f} (target {TARGET})")
+            emit_result(
+                NAME, f"{mode} / sync: loop blocked per save (median, steady state)", value / sync,
+                f"{value * 1000:.1f} ms (call {call * 1000:.1f} ms + commit {commit * 1000:.1f} ms; "
+                f"{len(steady)} saves)",
+                f"{sync * 1000:.1f} ms ({tier} sync save)", TARGET,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":

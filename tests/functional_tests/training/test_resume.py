@@ -4,6 +4,8 @@ import shutil
 
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
 
+from megatron.bridge.training.event_stream import EventKind
+
 
 def _assert_resumed_like_reference(first, second, reference, ckpt, reference_ckpt, stop_at=6):
     ref_losses = reference.losses()
@@ -36,6 +38,10 @@ def test_async_save_resume_matches_sync_reference(reference_tp1, tmp_path):
     second = torchrun(tmp_path / "ckpt", "checkpoint.async_save=true", *cached)
     assert second.exit_code == 0, tail(second)
     assert "finalized async checkpoint save at iteration 12" in second.output
+    # Each save's event says what it blocked the loop: the call, then the finalize that committed it.
+    saved = [e for e in second.events(EventKind.CHECKPOINT_SAVED) if e.rank == 0 and e.tier == "global"]
+    assert [e.iteration for e in saved] == [8, 10, 12]
+    assert all(0 <= e.finalize_seconds <= e.commit_seconds and e.seconds < e.commit_seconds for e in saved), saved
     _assert_resumed_like_reference(first, second, reference, tmp_path / "ckpt", reference_ckpt)
 
 

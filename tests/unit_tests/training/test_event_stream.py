@@ -314,7 +314,10 @@ def test_the_recorder_writes_steps_saves_sync_and_async_loads_and_the_exit(tmp_p
     rec.on_checkpoint_save_start(_ctx(15))
     rec.on_checkpoint_save_end(_ctx(15))
     rec.on_train_step_end(_ctx(15, step_time=0.3, skipped_iter=True))
-    rec.on_checkpoint_save(CheckpointCallbackContext(None, str(tmp_path / "local"), CheckpointType.LOCAL, iteration=15))
+    local_commit = CheckpointCallbackContext(
+        None, str(tmp_path / "local"), CheckpointType.LOCAL, iteration=15, finalize_seconds=0.05
+    )  # the manager says how long the loop has been in the finalize committing it
+    rec.on_checkpoint_save(local_commit)
     rec.exited(0, "reached train.train_iters=16")
     events, problems = read_file(w.path)
     assert problems == []
@@ -326,9 +329,9 @@ def test_the_recorder_writes_steps_saves_sync_and_async_loads_and_the_exit(tmp_p
     assert (load.tier, load.iteration, load.bytes) == ("global", 10, 1024) and load.seconds >= 0
     assert (step.iteration, step.seconds, step.applied) == (11, 0.2, True) and skipped.applied is False
     assert (sync.tier, sync.iteration, sync.bytes) == ("global", 10, 1024)
-    assert sync.seconds is not None and sync.commit_seconds <= sync.seconds
+    assert sync.seconds is not None and sync.commit_seconds <= sync.seconds and sync.finalize_seconds is None
     assert (async_.tier, async_.iteration, async_.bytes) == ("local", 15, 50)
-    assert async_.commit_seconds >= async_.seconds
+    assert async_.commit_seconds >= async_.seconds and async_.finalize_seconds == 0.05
     assert (end.exit_code, end.detail) == (0, "reached train.train_iters=16")
     other = EventRecorder(1, writer=_writer(tmp_path, rank=1))  # only rank 0 measures sizes
     other.on_checkpoint_save(CheckpointCallbackContext(None, str(ckpt), CheckpointType.GLOBAL, iteration=10))

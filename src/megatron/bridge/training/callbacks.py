@@ -76,6 +76,9 @@ class CheckpointCallbackContext:
     """The dict every context of this run carries (see :attr:`CallbackContext.user_state`)."""
     iteration: Optional[int] = None
     """The checkpoint's iteration (this package's addition; ``None`` when the caller did not say)."""
+    finalize_seconds: Optional[float] = None
+    """``on_checkpoint_save`` of an async save: the loop's time so far in the finalize committing it (this package's
+    addition; ``None`` for a synchronous save, committed inside the save call)."""
 
 
 CallbackEventContext = Union[CallbackContext, CheckpointCallbackContext]
@@ -243,10 +246,11 @@ def fire_checkpoint_event(
     checkpoint_name: str,
     checkpoint_type: Any,
     iteration: Optional[int] = None,
+    finalize_seconds: Optional[float] = None,
 ) -> None:
     """Run the callbacks of a checkpoint event with a :class:`CheckpointCallbackContext` (built only when needed)."""
     if should_fire(callback_manager, event_name):
         context = CheckpointCallbackContext(
-            state, checkpoint_name, checkpoint_type, callback_manager.user_state, iteration=iteration
+            state, checkpoint_name, checkpoint_type, callback_manager.user_state, iteration, finalize_seconds
         )
         callback_manager.fire(event_name, context)

@@ -542,7 +542,9 @@ class CheckpointManager:
         common_extra: entries added to the common part of every checkpoint, global and local tier: name -> a
             function returning plain values, called at each save. Their values may differ between ranks and runs
             (rank 0's are in a global checkpoint); :attr:`loaded_common_extra` holds them after a load.
-        on_saved: called ``(directory, tier, iteration)`` on every rank once a checkpoint is committed.
+        on_saved: called ``(directory, tier, iteration, finalize_seconds)`` on every rank once a checkpoint is
+            committed; ``finalize_seconds``: the loop's time so far in the finalize committing an async save (``None``
+            for a synchronous save).
         run_config: the run's whole config (``ConfigContainer``), saved as ``run_config.yaml`` into every global
             checkpoint (Megatron-Bridge's layout); ``None`` leaves the file out.
     """
@@ -551,13 +553,15 @@ class CheckpointManager:
         self,
         cfg: CheckpointConfig,
         common_extra: Optional[dict[str, Callable[[], Any]]] = None,
-        on_saved: Optional[Callable[[str, CheckpointType, int], None]] = None,
+        on_saved: Optional[Callable[[str, CheckpointType, int, Optional[float]], None]] = None,
         run_config: Any = None,
     ) -> None:
         self.cfg = cfg
         # Rendered once: every global save's commit writes the same text (YAML rendering took most of rank 0's part).
         self._run_config = yaml_text(to_plain(run_config)) if run_config is not None else None
-        self._on_saved = on_saved or (lambda name, kind, iteration: None)
+        self._on_saved = on_saved or (lambda name, kind, iteration, finalize_seconds=None: None)
+        self._finalizing_since: Optional[float] = None
+        """When the running finalize began (``perf_counter``): an async commit's blocking time is measured from it."""
         self._common_extra = dict(common_extra or {})
         self.loaded_common_extra: dict[str, Any] = {}
         """The ``common_extra`` entries of the checkpoint :meth:`load` loaded (an entry it lacks is absent)."""
@@ -726,7 +730,7 @@ class CheckpointManager:
         self.last_saved_iteration = iteration
         self.storage.sizes[GLOBAL] = sum(entry.size for entry in entries.values())
         self.last_finalize_seconds = time.perf_counter() - start
-        self._on_saved(layout.iter_dir(root, iteration), CheckpointType.GLOBAL, iteration)
+        self._on_saved(layout.iter_dir(root, iteration), CheckpointType.GLOBAL, iteration, self._in_finalize())
 
     def save_local(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> None:
         """Save the current state into the local tier (same content as a global checkpoint)."""
@@ -768,7 +772,19 @@ class CheckpointManager:
 
     def _local_saved(self, iteration: int) -> None:
         self.storage.sizes[LOCAL] = self.local.node_bytes(iteration) if self.local is not None else None
-        self._on_saved(self.cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL, iteration)
+        self._on_saved(self.cfg.non_persistent_local_ckpt_dir, CheckpointType.LOCAL, iteration, self._in_finalize())
+
+    def _in_finalize(self) -> Optional[float]:
+        """Seconds since the running finalize began; ``None`` outside one (a synchronous save commits in its call)."""
+        return None if self._finalizing_since is None else time.perf_counter() - self._finalizing_since
+
+    @contextlib.contextmanager
+    def _finalizing(self) -> Iterator[None]:
+        self._finalizing_since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._finalizing_since = None
 
     def _generator_states(self) -> dict[str, Any]:
         """The generator states of this rank, collected by :func:`get_rng_state` (each rank stores its own)."""
@@ -808,13 +824,15 @@ class CheckpointManager:
         with self._global_save_kept_on_a_local_stop():
             try:
                 if self.local is not None:
-                    self.local.finalize(blocking, None if busy_anywhere is None else busy_anywhere.local_tier)
+                    with self._finalizing():
+                        self.local.finalize(blocking, None if busy_anywhere is None else busy_anywhere.local_tier)
             except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
                 if not self.storage.save_failed(err, LOCAL, local_iteration or 0):
                     raise
         if busy_anywhere is not None and busy_anywhere.global_tier and not blocking:
             return
-        self._finalize_global(blocking, no_dist=busy_anywhere is not None and not blocking)
+        with self._finalizing():
+            self._finalize_global(blocking, no_dist=busy_anywhere is not None and not blocking)
 
     def _finalize_global(self, blocking: bool, no_dist: bool = False) -> None:
         """Commit the global save in flight if every rank finished writing it (wait for it with ``blocking``)."""

@@ -8,7 +8,8 @@ event: :meth:`attempt_started`, :meth:`load_begins` (to time the load) and :meth
 
 A save is written once it is both committed and no longer blocking the loop, whichever comes last: a synchronous
 save commits inside the blocking call, an asynchronous one commits a few steps later. Its ``seconds`` are the loop's
-blocking time, ``commit_seconds`` the time from the save's start to its commit. Rank 0 adds the checkpoint's size.
+time in the save call, ``finalize_seconds`` (async) the loop's time in the finalize that committed it,
+``commit_seconds`` the time from the save's start to its commit. Rank 0 adds the checkpoint's size.
 """
 
 import os
@@ -111,6 +112,7 @@ class EventRecorder(Callback):
             return
         save = self._saves.setdefault(iteration, {})
         save.update(committed=time.perf_counter(), tier=_tier(context.checkpoint_type), path=context.checkpoint_name)
+        save["finalize"] = getattr(context, "finalize_seconds", None)
         if "blocking" in save or "start" not in save:  # an async commit, or a save this recorder did not see start
             self._write_save(iteration)
 
@@ -136,6 +138,7 @@ class EventRecorder(Callback):
             iteration=iteration,
             seconds=save.get("blocking"),
             commit_seconds=None if start is None else save["committed"] - start,
+            finalize_seconds=save.get("finalize"),
             bytes=self._size(save["path"], save["tier"], iteration),
         )
 

@@ -217,6 +217,9 @@ class Event:
     a teardown."""
     commit_seconds: Optional[float] = None
     """``checkpoint_saved``: seconds from the start of the save to its commit (an async save's background write)."""
+    finalize_seconds: Optional[float] = None
+    """``checkpoint_saved`` of an async save: the loop's time in the finalize that committed it (``seconds`` is the
+    save call's); ``seconds + finalize_seconds`` is what the save blocked the loop."""
     timeout: Optional[float] = None
     """``fault_detected``: the timeout that expired."""
     section: Optional[str] = None
@@ -253,8 +256,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Event)}
 _ENUMS: dict[str, type] = {"kind": EventKind, "mechanism": Mechanism, "layer": RestartLayer, "process": Process}
 _INTS = ("pid", "rank", "local_rank", "restart_count", "inprocess_iteration", "iteration", "bytes", "exit_code",
          "signal", "worker_pid")  # fmt: skip
-_FLOATS = ("time", "mono", "seconds", "commit_seconds", "timeout", "process_start", "attempt_start", "score",
-           "threshold")  # fmt: skip
+_FLOATS = ("time", "mono", "seconds", "commit_seconds", "finalize_seconds", "timeout", "process_start",
+           "attempt_start", "score", "threshold")  # fmt: skip
 _STRS = ("host", "tier", "section", "fault", "fault_kind", "phase", "attempt", "job_id", "detail")
 _SCORES = ("relative_scores", "individual_scores")
 

@@ -227,8 +227,8 @@ def _pretrain(
             cfg.checkpoint,
             run_config=cfg,
             common_extra={GOODPUT_ENTRY: goodput.snapshot},
-            on_saved=lambda name, kind, iteration: fire_checkpoint_event(
-                checkpoint_callbacks, "on_checkpoint_save", global_state, name, kind, iteration=iteration
+            on_saved=lambda name, kind, iteration, finalize_seconds=None: fire_checkpoint_event(
+                checkpoint_callbacks, "on_checkpoint_save", global_state, name, kind, iteration, finalize_seconds
             ),
         )
         global_state.async_calls_queue = checkpoints.async_queue
