@@ -21,7 +21,8 @@ d. straggler detection on GPU timing: from iteration 30 the rank's steps do 3x t
    before and falls below it after;
 e. tokens per second and model FLOPs utilisation (MFU) of the fault-free run against the plain megatron-core loop
    (``benchmarks/_plain_mcore_loop.py``, same model, data and batch), and the time the training thread spent on
-   saves, async against sync (goodput's ``checkpoint_save``, as ``benchmarks/save_blocking.py`` reads it).
+   saves, async against sync (goodput's ``checkpoint_save``), and one save as the loop felt it (each run's first
+   global save: the call, plus an async save's finalize, as ``benchmarks/save_blocking.py`` measures it).
 
 ``--dry-run``: the same steps on CPU (gloo, fp32, the recipe's tiny Llama, a fast subset of the unit tier), in about
 a minute; the GPU memory check and MFU are then rows saying "not measured on CPU". Writes ``OUTDIR/gpu_check.md``,
@@ -462,6 +463,17 @@ class Check:
             if sizes:
                 part.figures["global_checkpoint_mib"] = round(max(sizes) / 2**20, 1)
         part.figures["async_over_sync"] = round(blocking["async"] / blocking["sync"], 3) if blocking["sync"] else None
+        # One save as the loop felt it (benchmarks/save_blocking.py's measure): the call, plus for an async save the
+        # finalize that committed it; each run's first global save (the async one includes the writer's start-up).
+        per_save = {}
+        for label, job in (("async", reference), ("sync", sync)):
+            found = [e for e in job.of(EventKind.CHECKPOINT_SAVED) if e.tier == "global" and e.seconds is not None]
+            if found:
+                first = min(found, key=lambda e: e.iteration)
+                per_save[label] = first.seconds + (first.finalize_seconds or 0.0)
+                part.figures[f"{label}_first_global_save_blocking_s"] = round(per_save[label], 3)
+        if len(per_save) == 2 and per_save["sync"]:
+            part.figures["first_global_save_async_over_sync"] = round(per_save["async"] / per_save["sync"], 3)
 
     def plain_loop(self) -> Job:
         """The plain megatron-core loop on the same model, batch and data (the model's overrides, nothing else)."""

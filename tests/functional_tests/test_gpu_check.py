@@ -22,7 +22,7 @@ FIGURES = {
     "d": ("score_source", "healthy_scores", "slowed_scores", "flagged_at", "report_every_steps"),
     "e": (
         "framework_tokens_per_s", "plain_tokens_per_s", "framework_overhead", "framework_mfu", "plain_mfu",
-        "async_save_blocking_s", "sync_save_blocking_s", "async_over_sync",
+        "async_save_blocking_s", "sync_save_blocking_s", "async_over_sync", "first_global_save_async_over_sync",
     ),
 }  # fmt: skip
 
