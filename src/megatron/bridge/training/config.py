@@ -347,7 +347,8 @@ class CheckpointConfig:
     async_strategy: Literal["nvrx", "mcore"] = "nvrx"
     """Who runs asynchronous saves: nvidia-resiliency-ext's ``AsyncCallsQueue``."""
     use_persistent_ckpt_worker: bool = True
-    """Keep one long-lived background writer process for asynchronous saves."""
+    """Keep one long-lived background writer process for asynchronous saves (on GPU; on CPU a spawned writer would
+    lack the CPU shims, so each save forks its writer)."""
     fully_parallel_load: bool = False
     """Spread checkpoint reading over data-parallel ranks and exchange the parts."""
     ckpt_assume_constant_structure: bool = False
