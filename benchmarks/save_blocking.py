@@ -49,7 +49,8 @@ class Save:
     iteration: int
     call_s: float
     commit_s: Optional[float]
-    """The commit's extra time in its step (``None``: synchronous, the commit is in the call; or at the close)."""
+    """The loop's time in the finalize that committed it (``finalize_seconds``; ``None``: synchronous, the commit is
+    in the call)."""
     steady: bool
     """Neither the run's first save nor one committed after the last step."""
 

@@ -219,7 +219,8 @@ class Event:
     """``checkpoint_saved``: seconds from the start of the save to its commit (an async save's background write)."""
     finalize_seconds: Optional[float] = None
     """``checkpoint_saved`` of an async save: the loop's time in the finalize that committed it (``seconds`` is the
-    save call's); ``seconds + finalize_seconds`` is what the save blocked the loop."""
+    save call's); ``seconds + finalize_seconds`` is what the save blocked the loop. When the next save had to wait
+    for it, that wait is also in the next save's ``seconds``."""
     timeout: Optional[float] = None
     """``fault_detected``: the timeout that expired."""
     section: Optional[str] = None
@@ -408,7 +409,11 @@ class EventWriter:
         self._pending_pid = os.getpid()
 
     def emit(self, kind: Union[EventKind, str], **fields: Any) -> Optional[Event]:
-        """Append one event of ``kind`` with ``fields`` (names of :class:`Event`); the event, or ``None`` if dropped."""
+        """Append one event of ``kind`` with ``fields`` (names of :class:`Event`); the event, or ``None`` if dropped.
+
+        A kind in :attr:`buffered` is only kept in memory here: its write happens at the next :meth:`flush` or event of
+        another kind (a failure then is logged, as for any write).
+        """
         try:
             values = {**self.context, **fields}
             # The reader's rules on every known field (an unknown name fails in Event below).
