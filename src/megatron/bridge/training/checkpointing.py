@@ -34,7 +34,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 from megatron.core.utils import get_pg_size
 
 from megatron.bridge.training import event_stream, fault_injection
-from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, storage
+from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, snapshot_writer, storage
 from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
 from megatron.bridge.training.checkpoint.contexts import CheckpointLoadContext, CheckpointSaveContext
 from megatron.bridge.training.checkpoint.discovery import (  # noqa: F401 - Megatron-Bridge's names, re-exported
@@ -588,7 +588,10 @@ class CheckpointManager:
 
             from megatron.bridge.utils.cpu_shims import use_persistent_async_worker
 
-            self._queue = AsyncCallsQueue(persistent=use_persistent_async_worker())
+            if use_persistent_async_worker():
+                self._queue = AsyncCallsQueue(persistent=True)
+            else:  # on CPU: forked now, before the model exists (checkpoint/snapshot_writer.py)
+                self._queue = snapshot_writer.calls_queue(rank())
         self.local: Optional[LocalTier] = local_tier_of(cfg, on_saved=self._local_saved)
         """The local tier (``checkpoint.non_persistent_ckpt_type="local"``), or ``None``."""
         self.checkpointing_context: dict[str, Any] = {"checkpoint_manager": self}

@@ -347,8 +347,8 @@ class CheckpointConfig:
     async_strategy: Literal["nvrx", "mcore"] = "nvrx"
     """Who runs asynchronous saves: nvidia-resiliency-ext's ``AsyncCallsQueue``."""
     use_persistent_ckpt_worker: bool = True
-    """Keep one long-lived background writer process for asynchronous saves (on GPU; on CPU a spawned writer would
-    lack the CPU shims, so each save forks its writer)."""
+    """Keep one long-lived background writer process for asynchronous saves: megatron-core's on GPU; on CPU this
+    package's, forked before the model exists and fed through shared memory (``checkpoint/snapshot_writer.py``)."""
     fully_parallel_load: bool = False
     """Spread checkpoint reading over data-parallel ranks and exchange the parts."""
     ckpt_assume_constant_structure: bool = False

@@ -41,7 +41,7 @@ REFUSED: dict[str, str] = {
     "checkpoint.pretrained_checkpoint": "finetuning from a checkpoint is not implemented",
     "checkpoint.use_checkpoint_args": "model arguments always come from the config",
     "checkpoint.fully_parallel_load": "fully parallel loading is not implemented",
-    "checkpoint.use_persistent_ckpt_worker": "async saves use one persistent writer on GPU (a fork per save on CPU)",
+    "checkpoint.use_persistent_ckpt_worker": "async saves use one persistent writer (on CPU: fed by shared memory)",
     # dataset
     "dataset.inter_document_masking": "per-document attention (the samples' cu_seqlens) is not passed to the model",
     # logger

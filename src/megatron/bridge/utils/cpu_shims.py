@@ -508,7 +508,8 @@ def use_persistent_async_worker() -> bool:
     """Whether async checkpoint saves may use megatron-core's persistent (spawned) worker.
 
     On CPU: no. A spawned worker starts without these shims, dies on its first CUDA call and leaves the trainer
-    waiting forever in ``schedule_async_request``; the forked (temporal) worker inherits them.
+    waiting forever in ``schedule_async_request``; and it would be handed the live CPU tensors, not a copy. Saves use
+    this package's persistent writer instead (``training/checkpoint/snapshot_writer.py``).
     """
     return not training_on_cpu()
 

@@ -10,7 +10,7 @@ and the job looks hung long after its launcher exited (seen in the fault-toleran
 How: :func:`die_with_this_process` marks a span; a process forked inside it (by any thread) asks the kernel for
 SIGKILL when the thread that forked it ends (``PR_SET_PDEATHSIG``, Linux; a no-op elsewhere), and exits at once if
 its parent is already gone. Forks outside the span are left alone (in-process restart's monitor, data-loader
-workers), and a process the rank *spawns* (a fresh interpreter) is not affected.
+workers), and a process the rank *spawns* (a fresh interpreter) asks for the same itself (:func:`die_with_parent`).
 """
 
 import contextlib
@@ -51,6 +51,14 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def die_with_parent(parent: int) -> bool:
+    """In a process the rank *spawned*: be SIGKILLed when the rank's spawning thread ends.
+
+    Returns ``False`` when ``parent`` is already gone (the caller should exit).
+    """
+    return not (_set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent)
 
 
 @contextlib.contextmanager

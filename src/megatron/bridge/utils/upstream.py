@@ -103,7 +103,8 @@ class Symbol:
 
 _RSM = "megatron.core.rerun_state_machine"
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-_ASYNC_UTILS = "megatron.core.dist_checkpointing.strategies.async_utils"
+ASYNC_UTILS = "megatron.core.dist_checkpointing.strategies.async_utils"
+"""megatron-core's async save queue and callers."""
 NVRX_ASYNC = "nvidia_resiliency_ext.checkpointing.async_ckpt"
 """nvidia-resiliency-ext's asynchronous-save modules, which megatron-core 0.17 and later write through."""
 _LOCAL_MANAGER = "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager"
@@ -301,10 +302,15 @@ SYMBOLS: tuple[Symbol, ...] = (
         )
     ),
     _torch_global("megatron.core.dist_checkpointing.strategies.state_dict_saver", "a flag on the CUDA device"),
-    _torch_global(_ASYNC_UTILS, "torch.cuda.synchronize before forking"),
+    _torch_global(ASYNC_UTILS, "torch.cuda.synchronize before forking"),
+    Symbol(
+        f"{ASYNC_UTILS}:AsyncCallsQueue._get_async_caller",
+        "override",
+        "checkpoint/snapshot_writer.py: every call of the queue goes to the persistent CPU writer",
+    ),
     *(
         Symbol(
-            f"{_ASYNC_UTILS}:{attr}",
+            f"{ASYNC_UTILS}:{attr}",
             "state",
             "async_call_finished_here: whether this rank's async save finished, without the poll's all-reduce",
         )
@@ -625,6 +631,8 @@ def async_call_finished_here(queue: Any) -> bool:
     if not queue.async_calls:
         return True
     caller = queue.async_calls[0].async_caller
+    if hasattr(caller, "finished_here"):  # this package's persistent CPU writer: it knows
+        return caller.finished_here()
     if hasattr(caller, "comp_q"):  # the persistent worker: it reports each finished call on its queue
         if caller.process and caller.cur_item is None:
             try:

@@ -1,8 +1,8 @@
-"""The background part of an async global save: the forked writer process and its helpers.
+"""The background part of an async global save: what the writer process runs, and its helpers.
 
-megatron-core forks one writer per save (``TemporalAsyncCaller``) and that writer forks again, once per write
-bucket, coordinating through multiprocessing queues. Here the forked writer writes its buckets itself, one after the
-other (one fork per save instead of two levels), then hashes this rank's shard files for the manifest. A writer
+megatron-core's writer (a process forked per save, or its persistent worker) forks again, once per write bucket,
+coordinating through multiprocessing queues. Here the writer (on CPU, the persistent one of ``snapshot_writer.py``)
+writes its buckets itself, one after the other, then hashes this rank's shard files for the manifest. A writer
 that runs long reports it, and prints its stack, every :data:`REPORT_SECONDS`.
 """
 
@@ -141,7 +141,7 @@ def _remove_results_of_dead_processes(parent: str) -> None:
 
 
 def writer(write_fn: Callable[..., None], ckpt_dir: str, rank: int, iteration: int) -> Callable[..., None]:
-    """The function the forked writer runs in place of megatron-core's ``write_fn`` (same arguments)."""
+    """The function the writer process runs in place of megatron-core's ``write_fn`` (same arguments)."""
     return functools.partial(_write_and_hash, write_fn, ckpt_dir, rank, iteration)
 
 

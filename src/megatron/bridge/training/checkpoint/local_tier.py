@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import event_stream, fault_injection
-from megatron.bridge.training.checkpoint import storage
+from megatron.bridge.training.checkpoint import snapshot_writer, storage
 from megatron.bridge.training.event_stream import EventKind, Mechanism
 from megatron.bridge.utils import dist as dist_utils
 from megatron.bridge.utils import upstream
@@ -177,7 +177,14 @@ def verify_content(tasd: Any, owner: Optional[str] = None) -> list[str]:
 
 
 def _manager_class() -> type:
-    """``LocalCheckpointManager`` that finds a node's files in every rank directory of its session."""
+    """``LocalCheckpointManager`` that finds a node's files in every rank directory of its session.
+
+    Built once, when first needed (it imports nvidia-resiliency-ext), and kept as this module's
+    ``NodeLocalCheckpointManager``: an async save sends a bound method of the manager to the persistent writer.
+    """
+    built = globals().get("NodeLocalCheckpointManager")
+    if built is not None:
+        return built
 
     class NodeLocalCheckpointManager(upstream.base_class(_MANAGER)):
         def _session_dir(self) -> Path:
@@ -230,7 +237,7 @@ def _manager_class() -> type:
                 return
             finally:
                 torch.serialization.set_crc32_options(previous)
-            # In the writer (a forked process when async): the file is complete now, whenever the save finalizes.
+            # In the writer (its own process when async): the file is complete now, whenever the save finalizes.
             iteration, owner = ckpt_id[0], ckpt_id[1]
             if owner == dist_utils.rank():
                 fault_injection.corrupt_written_local_checkpoint(owner, iteration, lambda: str(self.path_of(ckpt_id)))
@@ -246,6 +253,8 @@ def _manager_class() -> type:
         def _cleanup_failed_save(self, iteration: int) -> None:
             self._remove(keep=lambda it: it != iteration)
 
+    NodeLocalCheckpointManager.__qualname__ = "NodeLocalCheckpointManager"  # found by pickle under this module
+    globals()["NodeLocalCheckpointManager"] = NodeLocalCheckpointManager
     return NodeLocalCheckpointManager
 
 
@@ -256,7 +265,7 @@ def _prepare_tensors(tasd: Any, replicating: bool) -> None:
     so the few host tensors (the RNG row) go to the device; the exchange stages this rank's own shard on the host.
     Otherwise every tensor is copied to the host here, blocking: the manager's own copy is non-blocking and a
     synchronous save writes right after it. A CPU tensor needs no copy (a synchronous save finishes before training
-    changes it, and the async writer is a forked process that sees memory as it was at the fork); the
+    changes it, and an async save's writer gets a copy: ``snapshot_writer.py``, or a fork's memory as it was); the
     ``orig_device`` attribute that megatron-core's ``copy_tensors_to_cpu`` uses for staged tensors marks it so.
     """
     for _, sh in _sharded_items(tasd):
@@ -301,7 +310,7 @@ class LocalTier:
         save_dir: ``checkpoint.save`` (names the session).
         algo: ``checkpoint.non_persistent_local_ckpt_algo``.
         replication: ``None``, or ``(jump, factor)`` for clique replication.
-        async_save: write files in a forked background process (``checkpoint.async_save``).
+        async_save: write files in a background process (``checkpoint.async_save``).
         parallelization_group: the data-parallel group ``fully_parallel`` spreads the work over.
         layout: the job's parallel layout (world size, model parallel sizes); a checkpoint saved under another one
             is not loaded from this tier (the global tier can reshard).
@@ -334,7 +343,12 @@ class LocalTier:
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            self._queue = AsyncCallsQueue(persistent=False)  # local checkpoints need the forked worker
+            from megatron.bridge.utils.cpu_shims import use_persistent_async_worker
+
+            if use_persistent_async_worker():
+                self._queue = AsyncCallsQueue(persistent=False)  # on GPU: a forked writer per save
+            else:  # on CPU: one writer, forked now, before the model exists (snapshot_writer.py)
+                self._queue = snapshot_writer.calls_queue(dist_utils.rank())
         self._pending: Optional[int] = None
         self.last_saved_iteration: Optional[int] = None
         self.last_blocking_seconds = 0.0

@@ -1,0 +1,440 @@
+"""A persistent async checkpoint writer for training on CPU, fed through shared memory.
+
+Failure handled: on CPU an async save used to fork its writer from the rank in the middle of training. While that
+fork lived, every page the rank wrote for the first time was copied by the kernel (copy-on-write): the step after
+each save paid for its whole working set (0.3-0.4 s for a few hundred MiB, ``benchmarks/fork_copy_on_write.py``),
+on top of the fork itself. megatron-core's persistent worker is no way out on CPU: it is spawned without the CPU
+shims and stages the tensors itself, in the worker, and handing it a CPU tensor moves the tensor's live storage into
+shared memory, where the worker would read it while training goes on writing it: a torn checkpoint.
+
+How: one writer per rank, forked when the checkpoint manager is built, before the model and the optimizer exist:
+it shares none of their pages, so training never pays copy-on-write for them. At each save the rank copies every
+tensor of the request into a shared-memory slot of its own (allocated at the first save that needs it, reused
+while the shape stays the same) and sends the request with the slots named in place of the tensors. That copy is
+the snapshot: training goes on at full speed once it is done, and the writer runs the request's write function on
+the slots. The writer dies with its rank (a parent-death signal) and ignores the job's SIGTERM and SIGINT (the
+rank decides when a save is abandoned). A save whose writer died is seen at its finalize the way a dead forked
+writer's is: its results are missing; later saves fork a writer each, as do saves that cannot be snapshotted
+(tensors inside objects other than lists, tuples and dicts) or whose slots ``/dev/shm`` cannot hold (logged once).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import signal
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Optional
+
+import torch
+
+from megatron.bridge.utils.orphans import die_with_parent, die_with_this_process
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+"""Where shared memory lives (Linux): its free space is checked before slots are allocated."""
+SHM_HEADROOM_BYTES = 256 * 2**20
+"""Free space left in :data:`SHM_DIR` after the slots (a full tmpfs kills the process that touches a page)."""
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """A tensor of a request, by the key of the shared-memory slot that holds its copy."""
+
+    key: tuple
+    """Where the tensor sat in the request's arguments (indices and dict keys)."""
+
+
+@dataclass(frozen=True)
+class HollowRef:
+    """An object that gives its tensors up and takes them back (a ``TensorAwareStateDict``: the local tier's).
+
+    Sent pickled without its tensors; the tensors by slot.
+    """
+
+    pickled: bytes
+    """The object while hollow."""
+    tensors: list
+    """:class:`SlotRef` of each popped tensor, in order."""
+
+
+@dataclass
+class WriteCall:
+    """One save, as sent to the writer."""
+
+    call_idx: int
+    """megatron-core's index of the async call: reported back when the write finished."""
+    fn: Any
+    """The request's write function."""
+    args: list
+    """Its arguments, tensors replaced by :class:`SlotRef`."""
+    kwargs: dict
+    """Its keyword arguments, likewise."""
+    new_slots: dict
+    """Slots the writer does not hold yet (key -> shared tensor): sent once, reused by later saves."""
+
+
+class NotSnapshottable(TypeError):
+    """A request argument holds tensors inside an object the snapshot cannot walk."""
+
+
+class SlotArena:
+    """A rank's shared-memory slots, one per tensor position of the requests, reused across saves."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple, torch.Tensor] = {}
+
+    def snapshot(self, obj: Any, path: tuple, new: dict) -> Any:
+        """``obj`` with every tensor copied into its slot and replaced by a :class:`SlotRef`; new slots into ``new``.
+
+        Raises:
+            NotSnapshottable: a tensor sits inside an object other than a list, tuple, named tuple or dict.
+        """
+        kind = type(obj)
+        if isinstance(obj, torch.Tensor):
+            slot = self.slots.get(path)
+            if slot is None or slot.shape != obj.shape or slot.dtype != obj.dtype:
+                slot = torch.empty(obj.shape, dtype=obj.dtype).share_memory_()
+                self.slots[path] = new[path] = slot
+            slot.copy_(obj.detach())
+            return SlotRef(path)
+        if _is_tensor_holder(obj):
+            tensors = obj.pop_tensors()
+            try:
+                pickled = pickle.dumps(obj)
+            finally:
+                obj.insert_tensors(tensors)
+            return HollowRef(pickled, self.snapshot(list(tensors), (*path, "tensors"), new))
+        if kind in (list, tuple):
+            return kind(self.snapshot(v, (*path, i), new) for i, v in enumerate(obj))
+        if kind is dict:
+            return {k: self.snapshot(v, (*path, k), new) for k, v in obj.items()}
+        if isinstance(obj, tuple) and hasattr(kind, "_fields"):  # a named tuple
+            return kind(*(self.snapshot(v, (*path, i), new) for i, v in enumerate(obj)))
+        if _holds_tensor(obj):
+            raise NotSnapshottable(
+                f"an async save argument of type {kind.__name__} holds tensors the snapshot cannot reach"
+            )
+        return obj
+
+    def bytes_needed(self, obj: Any, path: tuple) -> int:
+        """Bytes of new slots :meth:`snapshot` would allocate for ``obj`` (copies nothing).
+
+        Raises:
+            NotSnapshottable: as :meth:`snapshot` would.
+        """
+        kind = type(obj)
+        if isinstance(obj, torch.Tensor):
+            slot = self.slots.get(path)
+            fits = slot is not None and slot.shape == obj.shape and slot.dtype == obj.dtype
+            return 0 if fits else obj.numel() * obj.element_size()
+        if _is_tensor_holder(obj):
+            tensors = obj.pop_tensors()
+            try:
+                return self.bytes_needed(list(tensors), (*path, "tensors"))
+            finally:
+                obj.insert_tensors(tensors)
+        if kind in (list, tuple) or (isinstance(obj, tuple) and hasattr(kind, "_fields")):
+            return sum(self.bytes_needed(v, (*path, i)) for i, v in enumerate(obj))
+        if kind is dict:
+            return sum(self.bytes_needed(v, (*path, k)) for k, v in obj.items())
+        if _holds_tensor(obj):
+            raise NotSnapshottable(
+                f"an async save argument of type {kind.__name__} holds tensors the snapshot cannot reach"
+            )
+        return 0
+
+
+def _is_tensor_holder(obj: Any) -> bool:
+    """Whether ``obj`` gives its tensors up and takes them back (``TensorAwareStateDict``'s interface)."""
+    return hasattr(obj, "pop_tensors") and hasattr(obj, "insert_tensors") and not getattr(obj, "is_hollow", True)
+
+
+def _holds_tensor(obj: Any, depth: int = 3) -> bool:
+    """Whether a tensor is inside ``obj`` (containers and object attributes, ``depth`` levels down)."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(obj, (str, bytes, int, float)):
+        return False
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        values: Any = obj
+    elif isinstance(obj, dict):
+        values = obj.values()
+    elif hasattr(obj, "__dict__"):
+        values = vars(obj).values()
+    else:
+        return False
+    return any(_holds_tensor(v, depth - 1) for v in values)
+
+
+def resolve(obj: Any, slots: dict) -> Any:
+    """``obj`` with every :class:`SlotRef` replaced by its slot (in the writer)."""
+    kind = type(obj)
+    if kind is SlotRef:
+        return slots[obj.key]
+    if kind is HollowRef:
+        holder = pickle.loads(obj.pickled)
+        holder.insert_tensors(resolve(obj.tensors, slots))
+        return holder
+    if kind in (list, tuple):
+        return kind(resolve(v, slots) for v in obj)
+    if kind is dict:
+        return {k: resolve(v, slots) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(kind, "_fields"):
+        return kind(*(resolve(v, slots) for v in obj))
+    return obj
+
+
+def shm_free_bytes() -> Optional[int]:
+    """Free bytes in :data:`SHM_DIR` (``None`` where there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+_JOB_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def serve(parent: int, rank: int, requests: Any, done: Any) -> None:
+    """The writer's loop (the forked writer): run each :class:`WriteCall`, report its index; ``None`` ends it."""
+    if not die_with_parent(parent):
+        return
+    for sig in _JOB_SIGNALS:  # the job's signals are the rank's to handle (blocked since the fork: none is lost)
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _JOB_SIGNALS)
+    torch.set_num_threads(1)
+    slots: dict[tuple, torch.Tensor] = {}
+    while True:
+        payload = requests.get()
+        if payload is None:
+            return
+        call = pickle.loads(payload)
+        slots.update(call.new_slots)
+        try:
+            call.fn(*resolve(call.args, slots), **resolve(call.kwargs, slots))
+        except BaseException:  # noqa: BLE001 - reported; the finalize finds this save's results missing
+            logger.exception("rank %d: async checkpoint write %d failed in the persistent writer", rank, call.call_idx)
+        done.put(call.call_idx)
+        del call
+
+
+def _kill_at_exit(ref: weakref.ref) -> None:
+    caller = ref()
+    if caller is not None:
+        caller.kill_writer()
+
+
+_WRITER = "writer"
+"""A call in flight on the persistent writer (the other kind: the forked caller that runs it)."""
+
+
+class _Classes:
+    caller: Optional[type] = None
+    queue: Optional[type] = None
+
+
+def caller_class() -> type:
+    """:class:`SharedMemoryAsyncCaller`, built on megatron-core's ``AsyncCaller`` when first needed."""
+    if _Classes.caller is None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, TemporalAsyncCaller
+
+        class SharedMemoryAsyncCaller(AsyncCaller):
+            """megatron-core's async caller interface over one persistent writer fed through shared memory.
+
+            A call that cannot be snapshotted (tensors inside an object, or ``/dev/shm`` too small for the slots)
+            runs on a forked writer instead, as every call did before; calls finish in the order they came.
+            """
+
+            def __init__(self, rank: int) -> None:
+                self.rank = rank
+                self.process: Any = None
+                self.queue: Any = None
+                self.comp_q: Any = None
+                self.arena = SlotArena()
+                self._writer_has: set = set()
+                self._calls: deque = deque()  # _WRITER or the forked caller of each call in flight, oldest first
+                self._finished: Optional[int] = None  # the writer's notice of the oldest call, once read
+                self._warned = False
+                self._lost = False  # the writer died: later saves fork their writer
+                atexit.register(_kill_at_exit, weakref.ref(self))
+                self._start()
+
+            # ---------------------------------------------------------- schedule
+
+            def schedule_async_call(self, async_req: Any) -> None:
+                if async_req.async_fn is None:
+                    return
+                args = list(async_req.async_fn_args)
+                if async_req.preload_fn:
+                    args[1] = async_req.preload_fn()  # CPU tensors: the same tensors; copied into slots below
+                kwargs = dict(async_req.async_fn_kwargs or {})
+                why = self._cannot_snapshot(args, kwargs)
+                if why is None and (self._lost or self.process is None or not self.process.is_alive()):
+                    why, self._lost = "the persistent writer is gone", True
+                if why is None:
+                    new: dict = {}
+                    refs, kwrefs = (
+                        self.arena.snapshot(args, ("args",), new),
+                        self.arena.snapshot(kwargs, ("kwargs",), new),
+                    )
+                    new.update({k: v for k, v in self.arena.slots.items() if k not in self._writer_has})
+                    try:  # here, not in the queue's feeder thread: a request that cannot be sent is forked instead
+                        payload = ForkingPickler.dumps(
+                            WriteCall(async_req.call_idx, async_req.async_fn, refs, kwrefs, new)
+                        )
+                    except Exception as err:  # noqa: BLE001 - any pickling failure: the forked writer needs none
+                        why = f"the request cannot be sent to the writer ({type(err).__name__}: {err})"
+                    else:
+                        self._writer_has.update(new)
+                        self.queue.put(bytes(payload))
+                        self._calls.append(_WRITER)
+                        return
+                if not self._warned:
+                    logger.warning("rank %d: async saves fork their writer: %s", self.rank, why)
+                    self._warned = True
+                forked = TemporalAsyncCaller()
+                with die_with_this_process():
+                    forked.schedule_async_call(async_req._replace(preload_fn=None, async_fn_args=tuple(args)))
+                self._calls.append(forked)
+
+            def _cannot_snapshot(self, args: list, kwargs: dict) -> Optional[str]:
+                """Why this call cannot go to the persistent writer (``None``: it can)."""
+                try:
+                    needed = self.arena.bytes_needed(args, ("args",)) + self.arena.bytes_needed(kwargs, ("kwargs",))
+                except NotSnapshottable as err:
+                    return str(err)
+                free = shm_free_bytes()
+                if needed and (free is None or free < needed + SHM_HEADROOM_BYTES):
+                    return (
+                        f"{SHM_DIR} has {0 if free is None else free >> 20} MiB free, the snapshot slots need "
+                        f"{needed >> 20} MiB (+{SHM_HEADROOM_BYTES >> 20} MiB headroom); enlarge it "
+                        "(e.g. docker --shm-size) for a persistent writer"
+                    )
+                return None
+
+            def _start(self) -> None:
+                ctx = mp.get_context("fork")  # inherits the imports and the CPU shims; no model pages exist yet
+                self.queue, self.comp_q = ctx.Queue(), ctx.Queue()
+                self.process = ctx.Process(
+                    target=serve,
+                    args=(os.getpid(), self.rank, self.queue, self.comp_q),
+                    name=f"checkpoint-writer-{self.rank}",
+                )
+                # The job's signals wait in the rank during the fork: the writer ignores them before it sees one.
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
+                try:
+                    with die_with_this_process():
+                        self.process.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                logger.info("rank %d: persistent async checkpoint writer started (pid %d)", self.rank, self.process.pid)
+
+            # ---------------------------------------------------------- poll
+
+            def finished_here(self) -> bool:
+                """Whether this rank's oldest call finished (no collective, nothing committed)."""
+                if not self._calls:
+                    return True
+                head = self._calls[0]
+                if head is _WRITER:
+                    return not self._writing(blocking=False)
+                return head.process is None or not head.process.is_alive()
+
+            def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+                if not self._calls:
+                    return True
+                head = self._calls[0]
+                if head is not _WRITER:
+                    is_done = head.is_current_async_call_done(blocking, no_dist)
+                else:
+                    is_alive = self._writing(blocking)
+                    is_done = not is_alive if no_dist else self.sync_all_async_calls(is_alive)
+                    if is_done:
+                        self._finished = None
+                if is_done:
+                    self._calls.popleft()
+                return is_done
+
+            def _writing(self, blocking: bool) -> bool:
+                """Whether the writer still runs the oldest call (waits for it with ``blocking``)."""
+                while self._finished is None and self.process is not None:
+                    try:
+                        self._finished = self.comp_q.get(timeout=0.05) if blocking else self.comp_q.get_nowait()
+                    except queue_module.Empty:
+                        if not self.process.is_alive():
+                            logger.error(
+                                "rank %d: the persistent checkpoint writer (pid %d) died (exit code %s) during a save",
+                                self.rank,
+                                self.process.pid,
+                                self.process.exitcode,
+                            )
+                            self._finished, self.process, self._lost = -1, None, True  # the finalize finds no results
+                            break
+                        if not blocking:
+                            return True
+                return False
+
+            # ---------------------------------------------------------- close
+
+            def kill_writer(self) -> None:
+                """Kill the persistent writer now, whatever it is doing (an aborted run, the process's exit)."""
+                if self.process is not None and self.process.is_alive():
+                    self.process.kill()
+                    self.process.join(5)
+
+            def close(self, abort: bool = False) -> None:
+                for head in self._calls:
+                    if head is not _WRITER:
+                        head.close(abort=abort)
+                self._calls.clear()
+                if self.process is not None:
+                    if abort:
+                        self.kill_writer()
+                    elif self.process.is_alive():
+                        self.queue.put(None)
+                        self.process.join(60)
+                        if self.process.is_alive():
+                            logger.warning("rank %d: the checkpoint writer did not stop in 60 s; killing it", self.rank)
+                            self.kill_writer()
+                    self.process = None
+                self.arena.slots.clear()
+                self._writer_has = set()
+
+            def __del__(self) -> None:
+                pass  # close() is explicit; the atexit hook kills a writer left running
+
+        _Classes.caller = SharedMemoryAsyncCaller
+    return _Classes.caller
+
+
+def calls_queue(rank: int) -> Any:
+    """megatron-core's ``AsyncCallsQueue`` whose calls all go to one :class:`SharedMemoryAsyncCaller` of ``rank``."""
+    if _Classes.queue is None:
+        from megatron.bridge.utils import upstream
+
+        class SharedMemoryCallsQueue(upstream.base_class(f"{upstream.ASYNC_UTILS}:AsyncCallsQueue")):
+            """The queue, with its caller chosen here (``persistent=False``: upstream's own worker never starts)."""
+
+            def __init__(self, caller: Any) -> None:
+                super().__init__(persistent=False)
+                self.caller = caller
+
+            def _get_async_caller(self) -> Any:
+                return self.caller
+
+            def close(self, abort: bool = False) -> None:
+                super().close(abort=abort)
+                self.caller.close(abort=abort)
+
+        _Classes.queue = SharedMemoryCallsQueue
+    return _Classes.queue(caller_class()(rank))
