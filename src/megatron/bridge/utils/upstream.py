@@ -182,7 +182,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "torch.utils.serialization:config.save.compute_crc32",
         "read",
-        "checkpoint/local_tier.py: restore torch.save's CRC setting after a save without it",
+        "local_tier.py, async_writer.py: restore torch.save's CRC setting after a save without it",
     ),
     # ---------------------------------------------------------------- megatron-core
     Symbol(

@@ -105,6 +105,36 @@ def test_one_writer_serves_every_save_and_its_slots_are_reused(queue, tmp_path):
     assert queue.maybe_finalize_async_calls(blocking=True) == [3]
 
 
+def test_slots_follow_positions_not_dict_keys_and_unused_ones_are_freed(queue, tmp_path):
+    """The local tier's argument is {checkpoint id: state}: the id changes every save, the slots must not."""
+    arena = snapshot_writer.SlotArena()
+    new: dict = {}
+    arena.snapshot({("it", 3): [torch.ones(4)]}, (), new)
+    assert arena.drop_unused() == [] and len(new) == 1
+    first = next(iter(arena.slots.values())).data_ptr()
+    new = {}
+    arena.snapshot({("it", 6): [torch.zeros(4)]}, (), new)
+    assert new == {} and next(iter(arena.slots.values())).data_ptr() == first  # reused
+    assert arena.drop_unused() == []
+    arena.snapshot({("it", 9): [torch.zeros(2, 2)]}, (), new)  # reshaped: a new slot
+    assert len(arena.slots) == 1 and arena.drop_unused() == []
+    arena.snapshot({("it", 9): []}, (), {})
+    assert arena.drop_unused() == [(0, 0)] and arena.slots == {}
+
+
+def test_a_save_while_the_writer_still_writes_forks_instead_of_reusing_its_slots(queue, tmp_path):
+    first, second = [torch.full((3,), 1.0)], [torch.full((3,), 2.0)]
+    out1, out2 = [], []
+    queue.schedule_async_request(_request(tmp_path / "go1", tmp_path / "out1", _buckets(first), out1))
+    queue.schedule_async_request(_request(tmp_path / "go2", tmp_path / "out2", _buckets(second), out2))
+    (tmp_path / "go1").touch()
+    (tmp_path / "go2").touch()
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
+    (v1, pid1), (v2, pid2) = eval(out1[0]), eval(out2[0])
+    assert v1 == [[1.0] * 3] and v2 == [[2.0] * 3]
+    assert pid1 == queue.caller.process.pid and pid2 != pid1
+
+
 def test_the_busy_probe_sees_the_write_and_commits_nothing(queue, tmp_path):
     committed = []
     queue.schedule_async_request(_request(tmp_path / "go", tmp_path / "out", _buckets([torch.ones(3)]), committed))

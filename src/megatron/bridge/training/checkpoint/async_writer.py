@@ -186,20 +186,29 @@ def _write_buckets_here(
     Same results as ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (``{bucket index: write results}``,
     or the first exception), without forking a process per bucket.
     """
+    import torch
+
     write_bucket = upstream.get(f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data")
     outcome: Any = {}
     local_results: queue.SimpleQueue = queue.SimpleQueue()
     finished: queue.Queue = queue.Queue()
     extra = {"use_msc": True} if use_msc else {}
-    for index, bucket in enumerate(write_buckets):
-        finished.put(index)  # the bucket writer takes it back and marks it done
-        write_bucket(transform_list, index, bucket, local_results, finished, True, **extra)
-        _, result = local_results.get()
-        if isinstance(result, Exception):
-            logger.error("rank %d: writing checkpoint bucket %d failed: %s", rank, index, result)
-            outcome = result
-            break
-        outcome[index] = result
+    # torch.save's per-record CRC32 duplicates the manifest's SHA-256 of every file, which the writer computes next
+    # and every load checks: skip it (torch.load does not read it).
+    previous = upstream.get("torch.utils.serialization:config.save.compute_crc32")
+    torch.serialization.set_crc32_options(False)
+    try:
+        for index, bucket in enumerate(write_buckets):
+            finished.put(index)  # the bucket writer takes it back and marks it done
+            write_bucket(transform_list, index, bucket, local_results, finished, True, **extra)
+            _, result = local_results.get()
+            if isinstance(result, Exception):
+                logger.error("rank %d: writing checkpoint bucket %d failed: %s", rank, index, result)
+                outcome = result
+                break
+            outcome[index] = result
+    finally:
+        torch.serialization.set_crc32_options(previous)
     results_queue.put(outcome)
 
 

@@ -80,6 +80,8 @@ class WriteCall:
     """Its keyword arguments, likewise."""
     new_slots: dict
     """Slots the writer does not hold yet (key -> shared tensor): sent once, reused by later saves."""
+    dropped: list
+    """Keys of slots the writer lets go (this save no longer has their tensors)."""
 
 
 class NotSnapshottable(TypeError):
@@ -91,6 +93,16 @@ class SlotArena:
 
     def __init__(self) -> None:
         self.slots: dict[tuple, torch.Tensor] = {}
+        self.used: set[tuple] = set()
+        """The slots the current save's :meth:`snapshot` calls filled."""
+
+    def drop_unused(self) -> list[tuple]:
+        """Free the slots the current save did not use (a tensor gone or reshaped); return their keys."""
+        stale = [key for key in self.slots if key not in self.used]
+        for key in stale:
+            del self.slots[key]
+        self.used = set()
+        return stale
 
     def snapshot(self, obj: Any, path: tuple, new: dict) -> Any:
         """``obj`` with every tensor copied into its slot and replaced by a :class:`SlotRef`; new slots into ``new``.
@@ -105,6 +117,7 @@ class SlotArena:
                 slot = torch.empty(obj.shape, dtype=obj.dtype).share_memory_()
                 self.slots[path] = new[path] = slot
             slot.copy_(obj.detach())
+            self.used.add(path)
             return SlotRef(path)
         if _is_tensor_holder(obj):
             tensors = obj.pop_tensors()
@@ -115,8 +128,8 @@ class SlotArena:
             return HollowRef(pickled, self.snapshot(list(tensors), (*path, "tensors"), new))
         if kind in (list, tuple):
             return kind(self.snapshot(v, (*path, i), new) for i, v in enumerate(obj))
-        if kind is dict:
-            return {k: self.snapshot(v, (*path, k), new) for k, v in obj.items()}
+        if kind is dict:  # slots by position: a key may change from save to save (the local tier's checkpoint id)
+            return {k: self.snapshot(v, (*path, i), new) for i, (k, v) in enumerate(obj.items())}
         if isinstance(obj, tuple) and hasattr(kind, "_fields"):  # a named tuple
             return kind(*(self.snapshot(v, (*path, i), new) for i, v in enumerate(obj)))
         if _holds_tensor(obj):
@@ -145,7 +158,7 @@ class SlotArena:
         if kind in (list, tuple) or (isinstance(obj, tuple) and hasattr(kind, "_fields")):
             return sum(self.bytes_needed(v, (*path, i)) for i, v in enumerate(obj))
         if kind is dict:
-            return sum(self.bytes_needed(v, (*path, k)) for k, v in obj.items())
+            return sum(self.bytes_needed(v, (*path, i)) for i, v in enumerate(obj.values()))
         if _holds_tensor(obj):
             raise NotSnapshottable(
                 f"an async save argument of type {kind.__name__} holds tensors the snapshot cannot reach"
@@ -219,6 +232,8 @@ def serve(parent: int, rank: int, requests: Any, done: Any) -> None:
         if payload is None:
             return
         call = pickle.loads(payload)
+        for key in call.dropped:
+            slots.pop(key, None)
         slots.update(call.new_slots)
         try:
             call.fn(*resolve(call.args, slots), **resolve(call.kwargs, slots))
@@ -264,6 +279,8 @@ def caller_class() -> type:
                 self._writer_has: set = set()
                 self._calls: deque = deque()  # _WRITER or the forked caller of each call in flight, oldest first
                 self._finished: Optional[int] = None  # the writer's notice of the oldest call, once read
+                self._notices: deque = deque()  # notices read from the writer's queue, not yet matched to a call
+                self._sent = self._noticed = 0  # calls sent to the writer, notices it gave
                 self._warned = False
                 self._lost = False  # the writer died: later saves fork their writer
                 atexit.register(_kill_at_exit, weakref.ref(self))
@@ -282,24 +299,32 @@ def caller_class() -> type:
                 if why is None and (self._lost or self.process is None or not self.process.is_alive()):
                     why, self._lost = "the persistent writer is gone", True
                 if why is None:
+                    self._take_notice(None)
+                    if self._sent > self._noticed:  # its slots are still being read: this save forks
+                        logger.info("rank %d: the writer still writes an earlier save; this one forks", self.rank)
+                        why = ""
+                if why is None:
                     new: dict = {}
                     refs, kwrefs = (
                         self.arena.snapshot(args, ("args",), new),
                         self.arena.snapshot(kwargs, ("kwargs",), new),
                     )
+                    dropped = self.arena.drop_unused()
+                    self._writer_has.difference_update(dropped)
                     new.update({k: v for k, v in self.arena.slots.items() if k not in self._writer_has})
                     try:  # here, not in the queue's feeder thread: a request that cannot be sent is forked instead
                         payload = ForkingPickler.dumps(
-                            WriteCall(async_req.call_idx, async_req.async_fn, refs, kwrefs, new)
+                            WriteCall(async_req.call_idx, async_req.async_fn, refs, kwrefs, new, dropped)
                         )
                     except Exception as err:  # noqa: BLE001 - any pickling failure: the forked writer needs none
                         why = f"the request cannot be sent to the writer ({type(err).__name__}: {err})"
                     else:
                         self._writer_has.update(new)
+                        self._sent += 1
                         self.queue.put(bytes(payload))
                         self._calls.append(_WRITER)
                         return
-                if not self._warned:
+                if why and not self._warned:
                     logger.warning("rank %d: async saves fork their writer: %s", self.rank, why)
                     self._warned = True
                 forked = TemporalAsyncCaller()
@@ -365,12 +390,26 @@ def caller_class() -> type:
                     self._calls.popleft()
                 return is_done
 
+            def _take_notice(self, timeout: Optional[float]) -> None:
+                """Move the writer's completion notices from its queue to ``_notices`` (wait ``timeout`` for one)."""
+                while True:
+                    try:
+                        notice = self.comp_q.get(timeout=timeout) if timeout else self.comp_q.get_nowait()
+                    except queue_module.Empty:
+                        return
+                    self._notices.append(notice)
+                    self._noticed += 1
+                    timeout = None
+
             def _writing(self, blocking: bool) -> bool:
                 """Whether the writer still runs the oldest call (waits for it with ``blocking``)."""
                 while self._finished is None and self.process is not None:
-                    try:
-                        self._finished = self.comp_q.get(timeout=0.05) if blocking else self.comp_q.get_nowait()
-                    except queue_module.Empty:
+                    self._take_notice(None)
+                    if self._notices:
+                        self._finished = self._notices.popleft()
+                    elif blocking and self.process.is_alive():
+                        self._take_notice(0.05)
+                    else:
                         if not self.process.is_alive():
                             logger.error(
                                 "rank %d: the persistent checkpoint writer (pid %d) died (exit code %s) during a save",
