@@ -49,7 +49,9 @@ def _assert_same_pre_step_state(diagnostic, reference) -> None:
 
 def test_transient_nan_is_rerun_found_not_reproducible_and_training_continues(reference_tp1, tmp_path):
     reference, reference_ckpt = reference_tp1
-    run = torchrun(tmp_path / "ckpt", VALIDATE, env={"MBRIDGE_FAULTS": "nan@5:1"})
+    # Async saves and the exit-signal handler: the step's flags ride on the state machine's all-reduce, re-run too.
+    features = ["checkpoint.async_save=true", "train.exit_signal_handler=true"]
+    run = torchrun(tmp_path / "ckpt", VALIDATE, *features, env={"MBRIDGE_FAULTS": "nan@5:1"})
     assert run.exit_code == 0, tail(run)
     assert [(e.rank, e.iteration) for e in run.detected(Mechanism.RERUN_NAN)] == [(1, 5)], tail(run)
     assert "First rerun: unexpected result is not reproducible within the tolerance" in run.output

@@ -111,3 +111,27 @@ def test_check_losses_validates_a_copy_of_each_loss_where_the_loss_function_comp
     assert checked[0].item() == 2.5
     checked_loss_func(output, non_loss_data=True)
     assert len(checked) == 1  # non-loss data is not a loss
+
+
+def test_the_machines_per_step_all_reduce_carries_the_loops_flags(machine, monkeypatch):
+    """With validate_results the step's agreement rides on megatron-core's own all-reduce: one collective, not two."""
+    import torch.distributed as dist
+
+    from megatron.bridge.utils.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims(torch.device("cpu"))  # megatron-core builds its flag tensor on "cuda"
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: reduced.append(tensor.tolist()))  # one rank
+    controller = RerunController(RerunStateMachineConfig(rerun_mode="validate_results"), None)
+    data = controller.wrap_data_iterator(iter(range(100)))
+    controller.carry(lambda: [1, 0, 1, 0])
+    assert [n for n in controller.passes(data, 0)] == [0]
+    assert reduced == [[0, 1, 0, 1, 0]]  # no re-run asked, then the loop's four flags, in one all-reduce
+    assert controller.agreed() == (True, False, True, False)
+    assert controller.agreed() is None  # taken once
+    controller.carry(lambda: None)  # nothing to agree this step: upstream's own question only
+    list(controller.passes(data, 1))
+    assert reduced[-1] == [0] and controller.agreed() is None
+    controller.carry(None)
+    list(controller.passes(data, 2))
+    assert reduced[-1] == [0] and machine.step_flags is None

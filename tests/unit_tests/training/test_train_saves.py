@@ -59,6 +59,7 @@ def _agreement_ctx(signal_handler=False, in_flight=False, busy=(False, False), r
         signals=SimpleNamespace(received=received),
         start_time=0.0,
         model=[torch.nn.Linear(1, 1)],
+        rerun=SimpleNamespace(agreed=lambda: None),  # the re-run state machine carried nothing this step
     )
 
 

@@ -58,7 +58,27 @@ def build_rerun_state_machine(cfg: RerunStateMachineConfig) -> Any:
     from megatron.core import tensor_parallel
 
     class BridgeRerunStateMachine(upstream.base_class(f"{rsm.__name__}:RerunStateMachine")):
-        """Upstream's machine; its stats report reads caller fields that do not exist, so report them here."""
+        """Upstream's machine; its stats report reads caller fields that do not exist, so report them here.
+
+        Its per-step all-reduce (whether a rank asks for a re-run) also carries the training loop's own per-step
+        flags when the loop hands them over (:meth:`RerunController.carry`): one collective per step, not two.
+        """
+
+        step_flags: Optional[Callable[[], Optional[list[int]]]] = None
+        """The loop's flags of this rank for this step (``None``: none to agree), read at the all-reduce."""
+        agreed_flags: Optional[tuple[bool, ...]] = None
+        """Those flags as every rank agreed them in this step's all-reduce; taken by the loop."""
+
+        def _reduce_any(self, value: Any) -> Any:
+            # Only the initial run's single question of each step; a re-run's pair of questions goes as upstream's.
+            flags = None
+            if self.step_flags is not None and not isinstance(value, list) and self.state == rsm.RerunState.INITIAL_RUN:
+                flags = self.step_flags()
+            if flags is None:
+                return super()._reduce_any(value)
+            agreed = super()._reduce_any([value, *flags])
+            self.agreed_flags = tuple(agreed[1:])
+            return agreed[0]
 
         def _maybe_report_stats(self) -> None:
             if self.current_iteration % self.REPORTING_INTERVAL_ITERATIONS == 0:
@@ -180,6 +200,20 @@ class RerunController:
 
         return get_rerun_state_machine()
 
+    def carry(self, step_flags: Optional[Callable[[], Optional[list[int]]]]) -> None:
+        """Have the machine's per-step all-reduce carry ``step_flags()`` too (``None``: stop); see :meth:`agreed`."""
+        machine = self.machine
+        if hasattr(machine, "step_flags"):  # this package's machine (a user's own has no such hook)
+            machine.step_flags, machine.agreed_flags = step_flags, None
+
+    def agreed(self) -> Optional[tuple[bool, ...]]:
+        """The carried flags as every rank agreed them in this step (``None``: the machine made no all-reduce)."""
+        machine = self.machine
+        agreed = getattr(machine, "agreed_flags", None)
+        if agreed is not None:
+            machine.agreed_flags = None
+        return agreed
+
     def wrap_data_iterator(self, data_iterator: Iterator) -> Iterator:
         """The iterator the state machine can rewind (needed whenever it re-runs steps)."""
         from megatron.core.rerun_state_machine import RerunDataIterator, RerunMode
@@ -200,6 +234,8 @@ class RerunController:
         if self.cfg.check_for_nan_in_loss:
             self._rng_before_step = snapshot_rng_state()  # a NaN stop saves the state before the step, generators too
         self._passes = 0
+        if hasattr(machine, "agreed_flags"):
+            machine.agreed_flags = None  # only this step's all-reduce counts
         while machine.should_run_forward_backward(data_iterator):
             yield self._passes
             self._passes += 1

@@ -12,8 +12,9 @@ freezes what set-up built (``garbage_collection.py``). One iteration:
    machine asks, again; its verdict on the losses (apply, skip, or stop with 16/17 and maybe a diagnostic
    checkpoint; a bad loss soon after a local-tier load stops with 23 instead, that checkpoint deleted); optimizer and
    scheduler step;
-3. the step's one agreement (a single all-reduce, none when nothing needs agreeing): exit signal, duration limit,
-   async saves still being written on some rank; commit the async saves finished on every rank (goodput counts it
+3. the step's one agreement: exit signal, duration limit, async saves still being written on some rank (carried
+   by the re-run state machine's per-step all-reduce in step 2 when it makes one, else a single all-reduce here,
+   none when nothing needs agreeing); commit the async saves finished on every rank (goodput counts it
    as ``checkpoint_save``);
 4. ``on_train_step_end``: goodput counts the step as productive when its update was applied (else as ``rerun``),
    the event stream records it (``step_completed``);
@@ -31,6 +32,7 @@ freezes what set-up built (``garbage_collection.py``). One iteration:
 8. stop with the exit code of the reason.
 """
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -178,27 +180,40 @@ class StepAgreement:
     """Per tier, whether a rank is still writing its async save; ``None``: no async save was in flight."""
 
 
-def agree_after_step(ctx: TrainContext) -> StepAgreement:
-    """Agree every per-step flag in one MAX all-reduce: the exit signal, the duration limit, the async saves in flight.
+def step_flags(ctx: TrainContext) -> Optional[list[int]]:
+    """The per-step flags of this rank: exit signal, duration limit, global and local async save still writing here.
 
-    None when no flag is needed (neither stop feature on and no async save in flight): whether it is made depends
-    only on the configuration and on saves every rank made together, so every rank makes it or none does. An
-    in-flight save's poll is folded in here instead of costing an all-reduce of its own per step and tier.
+    ``None`` when no flag is needed (neither stop feature on and no async save in flight): that depends only on the
+    configuration and on saves every rank made together, so every rank agrees them or none does.
     """
     train = ctx.cfg.train
     stop_flags = train.exit_signal_handler or train.exit_duration_in_mins is not None
     in_flight = ctx.checkpoints.async_save_in_flight
     if not stop_flags and not in_flight:
-        return StepAgreement()
+        return None
     elapsed_min = (time.monotonic() - ctx.start_time) / 60.0
     timed_out = train.exit_duration_in_mins is not None and elapsed_min >= train.exit_duration_in_mins
     busy = ctx.checkpoints.busy_here() if in_flight else AsyncSavesBusy(False, False)
-    device = next(ctx.model[0].parameters()).device
-    flags = torch.tensor(
-        [ctx.signals.received, timed_out, busy.global_tier, busy.local_tier], dtype=torch.int32, device=device
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    signalled, timed_out, global_busy, local_busy = (bool(f) for f in flags.tolist())
+    return [int(ctx.signals.received), int(timed_out), int(busy.global_tier), int(busy.local_tier)]
+
+
+def agree_after_step(ctx: TrainContext) -> StepAgreement:
+    """Agree every per-step flag (:func:`step_flags`) in one collective the step makes anyway, or in one of its own.
+
+    With the re-run state machine on, its per-step all-reduce carried the flags (:meth:`RerunController.carry`);
+    else one MAX all-reduce here, and none when no flag is needed. An in-flight save's poll is folded in instead of
+    costing an all-reduce of its own per step and tier. A save neither starts nor commits between the two points.
+    """
+    agreed = ctx.rerun.agreed()
+    if agreed is None:
+        flags = step_flags(ctx)
+        if flags is None:
+            return StepAgreement()
+        tensor = torch.tensor(flags, dtype=torch.int32, device=next(ctx.model[0].parameters()).device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        agreed = tuple(bool(f) for f in tensor.tolist())
+    signalled, timed_out, global_busy, local_busy = agreed
+    in_flight = ctx.checkpoints.async_save_in_flight
     return StepAgreement(signalled, timed_out, AsyncSavesBusy(global_busy, local_busy) if in_flight else None)
 
 
@@ -279,6 +294,15 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
     for chunk in ctx.model:
         chunk.train()
     _fire(ctx, "on_train_start")
+    ctx.rerun.carry(functools.partial(step_flags, ctx))  # the re-run machine's all-reduce carries the step's flags
+    try:
+        return _train_loop(ctx)
+    finally:
+        ctx.rerun.carry(None)
+
+
+def _train_loop(ctx: TrainContext) -> tuple[ExitCode, str]:
+    cfg = ctx.cfg
     timed_train_step = ctx.straggler.wrap_train_step_function(train_step)  # train_step itself when detection is off
     while True:
         _fire(ctx, "on_train_step_start")

@@ -191,6 +191,11 @@ SYMBOLS: tuple[Symbol, ...] = (
         "initialize.init_rerun_state: install our RerunStateMachine subclass (the public initializer builds the base)",
     ),
     Symbol(
+        f"{_RSM}:RerunStateMachine._reduce_any",
+        "override",
+        "rerun.py: the machine's per-step all-reduce also carries the training loop's per-step flags",
+    ),
+    Symbol(
         f"{_RSM}:RerunStateMachine._maybe_report_stats",
         "override",
         "rerun.py: upstream's determinism-stats report reads caller fields that do not exist",
@@ -319,8 +324,16 @@ SYMBOLS: tuple[Symbol, ...] = (
             "TemporalAsyncCaller.process",
             "PersistentAsyncCaller.process",
             "PersistentAsyncCaller.cur_item",
-            "PersistentAsyncCaller.comp_q",
         )
+    ),
+    *(
+        Symbol(
+            f"{ASYNC_UTILS}:PersistentAsyncCaller.{attr}",
+            "state",
+            "async_call_finished_here: the persistent worker's queue of finished calls",
+            when=when,
+        )
+        for attr, when in (("comp_q", "megatron-core<0.17"), ("_persistent_comp_q", "megatron-core>=0.17"))
     ),
     _torch_global(_RSM, "CUDA RNG state and a CUDA tensor for its all-reduce"),
     _torch_global("megatron.core.dist_checkpointing.tensor_aware_state_dict", "torch.cuda.synchronize"),
@@ -633,10 +646,13 @@ def async_call_finished_here(queue: Any) -> bool:
     caller = queue.async_calls[0].async_caller
     if hasattr(caller, "finished_here"):  # this package's persistent CPU writer: it knows
         return caller.finished_here()
-    if hasattr(caller, "comp_q"):  # the persistent worker: it reports each finished call on its queue
+    # The persistent worker reports each finished call on its queue: the caller's own before megatron-core 0.17,
+    # its class's (one worker per process) since.
+    finished = getattr(caller, "comp_q", None) or getattr(type(caller), "_persistent_comp_q", None)
+    if finished is not None:
         if caller.process and caller.cur_item is None:
             try:
-                caller.cur_item = caller.comp_q.get_nowait()
+                caller.cur_item = finished.get_nowait()
             except queue_module.Empty:
                 return False
         return True

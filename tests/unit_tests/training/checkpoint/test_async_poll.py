@@ -89,6 +89,25 @@ def test_a_persistent_workers_notice_is_kept_where_megatron_cores_poll_reads_it(
     assert caller.is_current_async_call_done(blocking=False, no_dist=True)  # megatron-core's poll finds it
 
 
+def test_a_persistent_worker_of_megatron_core_0_17_and_later_is_read_from_its_class_queue():
+    """Since 0.17 the worker, and its queue of finished calls, belong to the class: one per process."""
+    import queue as queue_module
+
+    finished = queue_module.Queue()
+
+    class Caller:  # the state megatron-core 0.17+'s PersistentAsyncCaller keeps (no per-instance queue)
+        _persistent_comp_q = finished
+
+        def __init__(self):
+            self.process, self.cur_item = SimpleNamespace(is_alive=lambda: True), None
+
+    caller = Caller()
+    queue = SimpleNamespace(async_calls=[SimpleNamespace(async_caller=caller)])
+    assert not upstream.async_call_finished_here(queue)  # the worker is alive and has not reported
+    finished.put(3)
+    assert upstream.async_call_finished_here(queue) and caller.cur_item == 3
+
+
 def test_the_local_tier_is_busy_only_while_its_async_write_runs(tmp_path):
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 

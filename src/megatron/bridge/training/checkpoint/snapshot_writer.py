@@ -14,8 +14,13 @@ while the shape stays the same) and sends the request with the slots named in pl
 the snapshot: training goes on at full speed once it is done, and the writer runs the request's write function on
 the slots. The writer dies with its rank (a parent-death signal) and ignores the job's SIGTERM and SIGINT (the
 rank decides when a save is abandoned). A save whose writer died is seen at its finalize the way a dead forked
-writer's is: its results are missing; later saves fork a writer each, as do saves that cannot be snapshotted
-(tensors inside objects other than lists, tuples and dicts) or whose slots ``/dev/shm`` cannot hold (logged once).
+writer's is: its results are missing; later saves fork a writer each, as do saves that cannot be snapshotted or
+sent (tensors inside objects other than lists, tuples, dicts and ``TensorAwareStateDict``; an unpicklable write
+function), whose slots ``/dev/shm`` cannot hold (logged once), or that come while the writer still reads the slots
+of an earlier save (a second save in flight on the same queue).
+
+Both tiers use it: megatron-core's write buckets are lists of tuples; the local tier's state dict is sent without
+its tensors (``pop_tensors``) and refilled from the slots in the writer (``insert_tensors``).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class SlotRef:
     """A tensor of a request, by the key of the shared-memory slot that holds its copy."""
 
     key: tuple
-    """Where the tensor sat in the request's arguments (indices and dict keys)."""
+    """Where the tensor sat in the request's arguments (positions, also in dicts: a key may change between saves)."""
 
 
 @dataclass(frozen=True)
