@@ -1,8 +1,9 @@
 """What a forked checkpoint writer costs the training process's next writes: copy-on-write, measured in one run.
 
-On CPU an async save's writer is a fork of the rank (``training/checkpoint/async_writer.py``: a spawned worker would
-start without the CPU shims). While the fork lives, every page the rank writes for the first time is copied by the
-kernel: the step after an async save pays for its whole working set (``save_blocking.py``'s "next step +" column).
+A writer forked from the rank per save (on CPU before ``training/checkpoint/snapshot_writer.py``; still the fallback
+there, and the GPU local tier's writer) makes every page the rank writes for the first time while the fork lives a
+copy by the kernel: the step after an async save pays for its whole working set (``save_blocking.py``'s "next step
++" column).
 This times an in-place update of ``--mib`` MiB of tensors (like an optimizer step) with no fork, then right after a
 fork whose child only sleeps, and prints the ratio. Then the alternative: a persistent writer (forked once, before
 the rounds) fed through shared memory: per save, the state is copied once into buffers shared with it (allocated at

@@ -12,8 +12,9 @@ come from rank 0's event stream, never from its log:
 - blocking per save = call + commit. Steady state: the first save (the writer's start-up, the plan's first
   exchange) and a save still in flight when training ends (the loop then waits for all of it) are left out. The
   figure is the median over the remaining saves. On a machine without spare cores (2 cores, 2 ranks) the background
-  writer also slows the steps it overlaps (and on CPU, where the writer is a fork of the rank, the first step after
-  the fork pays copy-on-write faults on every page it writes): that is not blocking; each run's median step time
+  writer also slows the steps it overlaps (its serialization and hashing run on the rank's cores; a writer forked per
+  save also makes the first step after the fork pay copy-on-write faults on every page it writes, which the
+  persistent CPU writer avoids): that is not blocking; each run's median step time
   and how much longer the step right after a save ran are printed beside.
 
 Printed: a table of every save, and one ratio per asynchronous mode against the synchronous save of the same tier.
@@ -107,8 +108,8 @@ def _train(tmp: Path, name: str, args: argparse.Namespace, *, asynchronous: bool
 
 def next_step_cost(events: list[Event], saved: set[int]) -> tuple[float, float]:
     """The median step time (the loop's own, ``step_completed``'s ``seconds``) of the steps not right after a save,
-    and the median of how much longer the step right after a save ran (a forked writer's copy-on-write faults and
-    its CPU work on the rank's cores: not blocking, but the loop pays it)."""
+    and the median of how much longer the step right after a save ran (the writer's CPU work on the rank's cores, and
+    copy-on-write after a writer's fork: not blocking, but the loop pays it)."""
     times = {e.iteration: e.seconds for e in events if e.kind == EventKind.STEP_COMPLETED and e.seconds is not None}
     base = statistics.median(t for it, t in times.items() if it > 2 and it - 1 not in saved)
     after = [times[it + 1] - base for it in saved if it + 1 in times]
@@ -168,7 +169,7 @@ def main() -> None:
             base, after = runs[mode][1]
             emit_result(
                 NAME, f"{mode}: the step right after a save, extra time / median step", after / base,
-                f"{after * 1000:.1f} ms more (copy-on-write and the writer's CPU work)", f"{base * 1000:.1f} ms step",
+                f"{after * 1000:.1f} ms more (the writer's CPU work)", f"{base * 1000:.1f} ms step",
             )  # fmt: skip
 
 
