@@ -281,3 +281,65 @@ def test_the_writer_dies_with_its_rank():
             return f.read().split(")")[-1].split()[0] == "Z"
 
     assert _until(gone, 10), "the writer outlived its rank"
+
+
+def test_a_rank_with_nothing_to_write_still_joins_the_polls_all_reduce(queue, monkeypatch):
+    """Other ranks' polls all-reduce whether their writes finished: this rank must make the same collective."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (reduced.append(t.tolist()), real(t, *a, **k))[1])
+    queue.schedule_async_request(AsyncRequest(None, (), []))
+    assert upstream.async_call_finished_here(queue)
+    assert queue.maybe_finalize_async_calls(blocking=False) == [0]
+    assert reduced == [[0], [0]]  # the poll's (nothing alive here), then megatron-core's check of the call index
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("holds a process group")
+
+
+def _write_with(release: str, out: str, buckets: list, handle=None) -> None:
+    _write_when_released(release, out, buckets)
+
+
+def test_a_write_function_that_cannot_be_sent_forks_without_copying_anything(queue, tmp_path, caplog):
+    import functools
+
+    params, committed = [torch.ones(2)], []
+    request = _request(tmp_path / "go", tmp_path / "out", _buckets(params), committed)
+    request = request._replace(async_fn=functools.partial(_write_with, handle=_Unpicklable()))
+    queue.schedule_async_request(request)
+    params[0].zero_()
+    (tmp_path / "go").touch()
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    values, pid = eval(committed[0])
+    assert values == [[1.0, 1.0]] and pid != queue.caller.process.pid
+    assert "cannot be sent to the writer" in caplog.text and "process group" in caplog.text
+    assert queue.caller.arena.slots == {}  # refused before any copy
+
+
+def test_a_tensor_hidden_in_the_write_function_is_never_handed_over_live(queue, tmp_path, caplog):
+    import functools
+
+    live = torch.ones(3)
+    params, committed = [torch.ones(2)], []
+    request = _request(tmp_path / "go", tmp_path / "out", _buckets(params), committed)
+    queue.schedule_async_request(request._replace(async_fn=functools.partial(_write_with, handle=live)))
+    assert not live.is_shared()  # pickling it for the writer would have moved it into shared memory
+    (tmp_path / "go").touch()
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert "tensor outside the snapshot's slots" in caplog.text
+
+
+def test_more_slots_than_open_files_forks_the_writer(queue, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(snapshot_writer, "open_file_limit", lambda: 600)
+    params, committed = [torch.ones(1) for _ in range(100)], []
+    queue.schedule_async_request(_request(tmp_path / "go", tmp_path / "out", _buckets(params), committed))
+    (tmp_path / "go").touch()
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert "100 snapshot slots need as many open files, the limit is 600" in caplog.text
+    assert queue.caller.arena.slots == {}

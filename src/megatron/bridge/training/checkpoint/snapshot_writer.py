@@ -26,13 +26,13 @@ its tensors (``pop_tensors``) and refilled from the slots in the writer (``inser
 from __future__ import annotations
 
 import atexit
+import io
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
 import signal
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -143,6 +143,23 @@ class SlotArena:
             )
         return obj
 
+    def slots_needed(self, obj: Any, path: tuple) -> int:
+        """How many slots ``obj``'s tensors use: those it already has and the new ones."""
+        kind = type(obj)
+        if isinstance(obj, torch.Tensor):
+            return 1
+        if _is_tensor_holder(obj):
+            tensors = obj.pop_tensors()
+            try:
+                return len(tensors)
+            finally:
+                obj.insert_tensors(tensors)
+        if kind in (list, tuple) or (isinstance(obj, tuple) and hasattr(kind, "_fields")):
+            return sum(self.slots_needed(v, (*path, i)) for i, v in enumerate(obj))
+        if kind is dict:
+            return sum(self.slots_needed(v, (*path, i)) for i, v in enumerate(obj.values()))
+        return 0
+
     def bytes_needed(self, obj: Any, path: tuple) -> int:
         """Bytes of new slots :meth:`snapshot` would allocate for ``obj`` (copies nothing).
 
@@ -169,6 +186,48 @@ class SlotArena:
                 f"an async save argument of type {kind.__name__} holds tensors the snapshot cannot reach"
             )
         return 0
+
+
+def open_file_limit() -> int:
+    """The open-file limit of this process, raised to the hard limit first (once is enough; the writer inherits it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 30
+
+
+_FD_HEADROOM = 512
+"""Open files left for everything else when the slots' count is checked against the limit."""
+
+
+class _SlotsOnlyPickler(ForkingPickler):
+    """Pickles a request for the writer; refuses any tensor that is not a slot (its live storage would be shared)."""
+
+    def __init__(self, *args: Any, allowed: Any = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._allowed = {id(t) for t in allowed}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and id(obj) not in self._allowed:
+            raise NotSnapshottable(f"a {tuple(obj.shape)} tensor outside the snapshot's slots")
+        return NotImplemented
+
+    @classmethod
+    def dumps(cls, obj: Any, allowed: Any = ()) -> bytes:  # type: ignore[override]
+        buf = io.BytesIO()
+        cls(buf, pickle.HIGHEST_PROTOCOL, allowed=allowed).dump(obj)
+        return buf.getvalue()
+
+    @classmethod
+    def check(cls, obj: Any) -> None:
+        """Raise as :meth:`dumps` would for ``obj`` (a tensor it holds, or anything that cannot be pickled)."""
+        cls(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(obj)
 
 
 def _is_tensor_holder(obj: Any) -> bool:
@@ -248,10 +307,11 @@ def serve(parent: int, rank: int, requests: Any, done: Any) -> None:
         del call
 
 
-def _kill_at_exit(ref: weakref.ref) -> None:
-    caller = ref()
-    if caller is not None:
-        caller.kill_writer()
+def _kill(process: Any) -> None:
+    """Kill a writer still running (at close, or at the rank's exit: multiprocessing would wait for it forever)."""
+    if process.is_alive():
+        process.kill()
+        process.join(5)
 
 
 _WRITER = "writer"
@@ -267,6 +327,13 @@ def caller_class() -> type:
     """:class:`SharedMemoryAsyncCaller`, built on megatron-core's ``AsyncCaller`` when first needed."""
     if _Classes.caller is None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, TemporalAsyncCaller
+
+        def _forked(async_req: Any) -> Any:
+            """megatron-core's forked caller running ``async_req`` (none when it has no write function)."""
+            forked = TemporalAsyncCaller()
+            with die_with_this_process():  # a writer forked here must not outlive its rank
+                forked.schedule_async_call(async_req)
+            return forked
 
         class SharedMemoryAsyncCaller(AsyncCaller):
             """megatron-core's async caller interface over one persistent writer fed through shared memory.
@@ -288,13 +355,14 @@ def caller_class() -> type:
                 self._sent = self._noticed = 0  # calls sent to the writer, notices it gave
                 self._warned = False
                 self._lost = False  # the writer died: later saves fork their writer
-                atexit.register(_kill_at_exit, weakref.ref(self))
+                self._pending_drops: list = []  # slots freed here that the writer still has to let go
                 self._start()
 
             # ---------------------------------------------------------- schedule
 
             def schedule_async_call(self, async_req: Any) -> None:
-                if async_req.async_fn is None:
+                if async_req.async_fn is None:  # nothing to write on this rank; its poll still joins the all-reduce
+                    self._calls.append(_forked(async_req))
                     return
                 args = list(async_req.async_fn_args)
                 if async_req.preload_fn:
@@ -309,52 +377,66 @@ def caller_class() -> type:
                         logger.info("rank %d: the writer still writes an earlier save; this one forks", self.rank)
                         why = ""
                 if why is None:
-                    new: dict = {}
-                    refs, kwrefs = (
-                        self.arena.snapshot(args, ("args",), new),
-                        self.arena.snapshot(kwargs, ("kwargs",), new),
-                    )
-                    dropped = self.arena.drop_unused()
-                    self._writer_has.difference_update(dropped)
-                    new.update({k: v for k, v in self.arena.slots.items() if k not in self._writer_has})
-                    try:  # here, not in the queue's feeder thread: a request that cannot be sent is forked instead
-                        payload = ForkingPickler.dumps(
-                            WriteCall(async_req.call_idx, async_req.async_fn, refs, kwrefs, new, dropped)
-                        )
-                    except Exception as err:  # noqa: BLE001 - any pickling failure: the forked writer needs none
+                    try:  # here, not in the queue's feeder thread: what cannot be copied or sent is forked instead
+                        payload = self._snapshot_and_pickle(async_req, args, kwargs)
+                    except Exception as err:  # noqa: BLE001 - a fork needs neither: it gets the rank's memory
+                        self.arena.used = set()
                         why = f"the request cannot be sent to the writer ({type(err).__name__}: {err})"
                     else:
-                        self._writer_has.update(new)
                         self._sent += 1
-                        self.queue.put(bytes(payload))
+                        self.queue.put(payload)
                         self._calls.append(_WRITER)
                         return
                 if why and not self._warned:
                     logger.warning("rank %d: async saves fork their writer: %s", self.rank, why)
                     self._warned = True
-                forked = TemporalAsyncCaller()
-                with die_with_this_process():
-                    forked.schedule_async_call(async_req._replace(preload_fn=None, async_fn_args=tuple(args)))
-                self._calls.append(forked)
+                self._calls.append(_forked(async_req._replace(preload_fn=None, async_fn_args=tuple(args))))
+
+            def _snapshot_and_pickle(self, async_req: Any, args: list, kwargs: dict) -> bytes:
+                """Copy the request's tensors into slots; the pickled :class:`WriteCall` (bookkeeping when it is)."""
+                _SlotsOnlyPickler.check(async_req.async_fn)  # before any copy: a function that cannot go never will
+                new: dict = {}
+                refs = self.arena.snapshot(args, ("args",), new)
+                kwrefs = self.arena.snapshot(kwargs, ("kwargs",), new)
+                dropped = self._pending_drops + self.arena.drop_unused()
+                self._pending_drops = dropped  # until a call carries them
+                new = {k: v for k, v in self.arena.slots.items() if k not in self._writer_has or k in new}
+                call = WriteCall(async_req.call_idx, async_req.async_fn, refs, kwrefs, new, dropped)
+                payload = _SlotsOnlyPickler.dumps(call, allowed=new.values())
+                self._writer_has.difference_update(dropped)
+                self._writer_has.update(new)
+                self._pending_drops = []
+                return payload
 
             def _cannot_snapshot(self, args: list, kwargs: dict) -> Optional[str]:
                 """Why this call cannot go to the persistent writer (``None``: it can)."""
                 try:
                     needed = self.arena.bytes_needed(args, ("args",)) + self.arena.bytes_needed(kwargs, ("kwargs",))
+                    slots = self.arena.slots_needed(args, ("args",)) + self.arena.slots_needed(kwargs, ("kwargs",))
                 except NotSnapshottable as err:
                     return str(err)
                 free = shm_free_bytes()
-                if needed and (free is None or free < needed + SHM_HEADROOM_BYTES):
+                # Every rank of the node may allocate its slots at this same save: count them all.
+                node = needed * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                if needed and (free is None or free < node + SHM_HEADROOM_BYTES):
                     return (
-                        f"{SHM_DIR} has {0 if free is None else free >> 20} MiB free, the snapshot slots need "
-                        f"{needed >> 20} MiB (+{SHM_HEADROOM_BYTES >> 20} MiB headroom); enlarge it "
+                        f"{SHM_DIR} has {0 if free is None else free >> 20} MiB free, the node's snapshot slots need "
+                        f"{node >> 20} MiB (+{SHM_HEADROOM_BYTES >> 20} MiB headroom); enlarge it "
                         "(e.g. docker --shm-size) for a persistent writer"
+                    )
+                limit = open_file_limit()
+                if slots + _FD_HEADROOM > limit:  # each slot keeps a file descriptor open
+                    return (
+                        f"{slots} snapshot slots need as many open files, the limit is {limit}: raise it "
+                        "(ulimit -n) for a persistent writer"
                     )
                 return None
 
             def _start(self) -> None:
                 ctx = mp.get_context("fork")  # inherits the imports and the CPU shims; no model pages exist yet
                 self.queue, self.comp_q = ctx.Queue(), ctx.Queue()
+                for q in (self.queue, self.comp_q):  # never wait at exit to flush a queue no one reads any more
+                    q.cancel_join_thread()
                 self.process = ctx.Process(
                     target=serve,
                     args=(os.getpid(), self.rank, self.queue, self.comp_q),
@@ -367,6 +449,7 @@ def caller_class() -> type:
                         self.process.start()
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                atexit.register(_kill, self.process)  # the process, not the caller: works if the caller is lost
                 logger.info("rank %d: persistent async checkpoint writer started (pid %d)", self.rank, self.process.pid)
 
             # ---------------------------------------------------------- poll
@@ -381,8 +464,8 @@ def caller_class() -> type:
                 return head.process is None or not head.process.is_alive()
 
             def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
-                if not self._calls:
-                    return True
+                if not self._calls:  # not reached through the queue; still one all-reduce, as every rank makes
+                    return True if no_dist else self.sync_all_async_calls(False)
                 head = self._calls[0]
                 if head is not _WRITER:
                     is_done = head.is_current_async_call_done(blocking, no_dist)
@@ -408,49 +491,42 @@ def caller_class() -> type:
 
             def _writing(self, blocking: bool) -> bool:
                 """Whether the writer still runs the oldest call (waits for it with ``blocking``)."""
-                while self._finished is None and self.process is not None:
+                while self._finished is None:
+                    process = self.process  # close(abort=True) may clear it from another thread (in-process restart)
+                    if process is None:
+                        break
                     self._take_notice(None)
                     if self._notices:
                         self._finished = self._notices.popleft()
-                    elif blocking and self.process.is_alive():
+                    elif blocking and process.is_alive():
                         self._take_notice(0.05)
+                    elif not process.is_alive():
+                        logger.error(
+                            "rank %d: the persistent checkpoint writer (pid %d) died (exit code %s) during a save",
+                            self.rank,
+                            process.pid,
+                            process.exitcode,
+                        )
+                        self._finished, self.process, self._lost = -1, None, True  # the finalize finds no results
                     else:
-                        if not self.process.is_alive():
-                            logger.error(
-                                "rank %d: the persistent checkpoint writer (pid %d) died (exit code %s) during a save",
-                                self.rank,
-                                self.process.pid,
-                                self.process.exitcode,
-                            )
-                            self._finished, self.process, self._lost = -1, None, True  # the finalize finds no results
-                            break
-                        if not blocking:
-                            return True
+                        return True
                 return False
 
             # ---------------------------------------------------------- close
 
-            def kill_writer(self) -> None:
-                """Kill the persistent writer now, whatever it is doing (an aborted run, the process's exit)."""
-                if self.process is not None and self.process.is_alive():
-                    self.process.kill()
-                    self.process.join(5)
-
             def close(self, abort: bool = False) -> None:
-                for head in self._calls:
+                for head in list(self._calls):
                     if head is not _WRITER:
                         head.close(abort=abort)
                 self._calls.clear()
-                if self.process is not None:
-                    if abort:
-                        self.kill_writer()
-                    elif self.process.is_alive():
+                process, self.process = self.process, None
+                if process is not None:
+                    if not abort and process.is_alive():
                         self.queue.put(None)
-                        self.process.join(60)
-                        if self.process.is_alive():
+                        process.join(60)
+                        if process.is_alive():
                             logger.warning("rank %d: the checkpoint writer did not stop in 60 s; killing it", self.rank)
-                            self.kill_writer()
-                    self.process = None
+                    _kill(process)  # killed if still running (abort, or stuck)
                 self.arena.slots.clear()
                 self._writer_has = set()
 
@@ -477,8 +553,10 @@ def calls_queue(rank: int) -> Any:
                 return self.caller
 
             def close(self, abort: bool = False) -> None:
-                super().close(abort=abort)
-                self.caller.close(abort=abort)
+                try:
+                    super().close(abort=abort)
+                finally:
+                    self.caller.close(abort=abort)
 
         _Classes.queue = SharedMemoryCallsQueue
     return _Classes.queue(caller_class()(rank))
