@@ -16,8 +16,10 @@ the slots. The writer dies with its rank (a parent-death signal) and ignores the
 rank decides when a save is abandoned). A save whose writer died is seen at its finalize the way a dead forked
 writer's is: its results are missing; later saves fork a writer each, as do saves that cannot be snapshotted or
 sent (tensors inside objects other than lists, tuples, dicts and ``TensorAwareStateDict``; an unpicklable write
-function), whose slots ``/dev/shm`` cannot hold (logged once), or that come while the writer still reads the slots
-of an earlier save (a second save in flight on the same queue).
+function: the request's pickler refuses any tensor that is not a slot), whose slots ``/dev/shm`` cannot hold for
+every rank of the node or that need more open files than the limit allows (logged once), or that come while the
+writer still reads the slots of an earlier save (a second save in flight on the same queue). A rank with nothing
+to write still joins the poll's all-reduce, as with megatron-core's own caller.
 
 Both tiers use it: megatron-core's write buckets are lists of tuples; the local tier's state dict is sent without
 its tensors (``pop_tensors``) and refilled from the slots in the writer (``insert_tensors``).
