@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
+from tests.unit_tests.training.checkpoint.async_helpers import one_world_on_cpu, until
 
 from megatron.bridge.training.checkpoint import local_tier
 from megatron.bridge.utils import upstream
@@ -21,15 +21,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
-    """megatron-core's async queue logs with the default group's rank: a world of one, on CPU."""
-    import torch.distributed as dist
-
-    from megatron.bridge.utils.cpu_shims import apply_cpu_shims
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    apply_cpu_shims(torch.device("cpu"))
-    yield
-    dist.destroy_process_group()
+    with one_world_on_cpu():
+        yield
 
 
 def _write_when_released(release: str, out: str) -> None:
@@ -37,15 +30,6 @@ def _write_when_released(release: str, out: str) -> None:
         time.sleep(0.01)
     with open(out, "w") as f:
         f.write("written")
-
-
-def _until(predicate, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_the_forked_writer_is_seen_running_then_finished_and_only_the_queue_commits(tmp_path):
@@ -62,7 +46,7 @@ def test_the_forked_writer_is_seen_running_then_finished_and_only_the_queue_comm
         assert not upstream.async_call_finished_here(queue)
         assert queue.maybe_finalize_async_calls(blocking=False, no_dist=True) == []  # still running: nothing done
         release.touch()
-        assert _until(lambda: upstream.async_call_finished_here(queue))
+        assert until(lambda: upstream.async_call_finished_here(queue))
         assert upstream.async_call_finished_here(queue)  # asking again changes nothing
         assert committed == [] and queue.get_num_unfinalized_calls() == 1  # the probe committed nothing
         assert queue.maybe_finalize_async_calls(blocking=False, no_dist=True) == [0]
@@ -129,7 +113,7 @@ def test_the_local_tier_is_busy_only_while_its_async_write_runs(tmp_path):
         tier.finalize(busy_anywhere=True)  # another rank (here: this one) still writes: nothing happens
         assert tier.pending_iteration == 12
         release.touch()
-        assert _until(lambda: not tier.busy_here())
+        assert until(lambda: not tier.busy_here())
         tier.finalize(busy_anywhere=False)  # agreed: nobody writes any more; committed without a poll collective
         assert tier.pending_iteration is None and tier.last_saved_iteration == 12 and out.read_text() == "written"
     finally:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from tests.unit_tests.training.checkpoint.async_helpers import one_world_on_cpu, until
 
 from megatron.bridge.training.checkpoint import snapshot_writer
 from megatron.bridge.utils import upstream
@@ -21,15 +22,8 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
-    """megatron-core's async queue all-reduces over the default group: a world of one, on CPU."""
-    import torch.distributed as dist
-
-    from megatron.bridge.utils.cpu_shims import apply_cpu_shims
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    apply_cpu_shims(torch.device("cpu"))
-    yield
-    dist.destroy_process_group()
+    with one_world_on_cpu():
+        yield
 
 
 def _write_when_released(release: str, out: str, buckets: list, **extra) -> None:
@@ -51,15 +45,6 @@ def _request(release, out, buckets, committed):
 
 def _buckets(tensors):
     return [("file", [(f"item{i}", t) for i, t in enumerate(tensors)])]
-
-
-def _until(predicate, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture
@@ -142,7 +127,7 @@ def test_the_busy_probe_sees_the_write_and_commits_nothing(queue, tmp_path):
     assert not upstream.async_call_finished_here(queue)
     assert queue.maybe_finalize_async_calls(blocking=False, no_dist=True) == []
     (tmp_path / "go").touch()
-    assert _until(lambda: upstream.async_call_finished_here(queue))
+    assert until(lambda: upstream.async_call_finished_here(queue))
     assert upstream.async_call_finished_here(queue)  # asking again changes nothing
     assert committed == []
     assert queue.maybe_finalize_async_calls(blocking=False, no_dist=True) == [0]
@@ -280,7 +265,7 @@ def test_the_writer_dies_with_its_rank():
         with open(f"/proc/{writer}/stat") as f:
             return f.read().split(")")[-1].split()[0] == "Z"
 
-    assert _until(gone, 10), "the writer outlived its rank"
+    assert until(gone, 10), "the writer outlived its rank"
 
 
 def test_a_rank_with_nothing_to_write_still_joins_the_polls_all_reduce(queue, monkeypatch):

@@ -28,6 +28,7 @@ its tensors (``pop_tensors``) and refilled from the slots in the writer (``inser
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import logging
 import multiprocessing as mp
@@ -36,6 +37,7 @@ import pickle
 import queue as queue_module
 import signal
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
@@ -127,11 +129,8 @@ class SlotArena:
             self.used.add(path)
             return SlotRef(path)
         if _is_tensor_holder(obj):
-            tensors = obj.pop_tensors()
-            try:
+            with _popped(obj) as tensors:
                 pickled = pickle.dumps(obj)
-            finally:
-                obj.insert_tensors(tensors)
             return HollowRef(pickled, self.snapshot(list(tensors), (*path, "tensors"), new))
         if kind in (list, tuple):
             return kind(self.snapshot(v, (*path, i), new) for i, v in enumerate(obj))
@@ -151,11 +150,8 @@ class SlotArena:
         if isinstance(obj, torch.Tensor):
             return 1
         if _is_tensor_holder(obj):
-            tensors = obj.pop_tensors()
-            try:
+            with _popped(obj) as tensors:
                 return len(tensors)
-            finally:
-                obj.insert_tensors(tensors)
         if kind in (list, tuple) or (isinstance(obj, tuple) and hasattr(kind, "_fields")):
             return sum(self.slots_needed(v, (*path, i)) for i, v in enumerate(obj))
         if kind is dict:
@@ -174,11 +170,8 @@ class SlotArena:
             fits = slot is not None and slot.shape == obj.shape and slot.dtype == obj.dtype
             return 0 if fits else obj.numel() * obj.element_size()
         if _is_tensor_holder(obj):
-            tensors = obj.pop_tensors()
-            try:
+            with _popped(obj) as tensors:
                 return self.bytes_needed(list(tensors), (*path, "tensors"))
-            finally:
-                obj.insert_tensors(tensors)
         if kind in (list, tuple) or (isinstance(obj, tuple) and hasattr(kind, "_fields")):
             return sum(self.bytes_needed(v, (*path, i)) for i, v in enumerate(obj))
         if kind is dict:
@@ -230,6 +223,16 @@ class _SlotsOnlyPickler(ForkingPickler):
     def check(cls, obj: Any) -> None:
         """Raise as :meth:`dumps` would for ``obj`` (a tensor it holds, or anything that cannot be pickled)."""
         cls(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(obj)
+
+
+@contextlib.contextmanager
+def _popped(holder: Any) -> Iterator[list]:
+    """A tensor holder's tensors, taken out for the span (the holder is hollow) and put back after."""
+    tensors = holder.pop_tensors()
+    try:
+        yield tensors
+    finally:
+        holder.insert_tensors(tensors)
 
 
 def _is_tensor_holder(obj: Any) -> bool:
