@@ -28,8 +28,8 @@ from _recipe_step import measure_recipe_step
 from _result import emit_result
 
 from megatron.bridge.training.config import HealthConfig
-from megatron.bridge.training.hang_attribution import HangWatch
-from megatron.bridge.training.liveness import LivenessPing
+from megatron.bridge.training.health.hang_attribution import HangWatch
+from megatron.bridge.training.health.liveness import LivenessPing
 
 
 def _blocks(fn, calls: int, blocks: int = 5) -> float:

@@ -38,7 +38,7 @@ def _time_mode(cfg: RerunStateMachineConfig, steps: int) -> float:
     """Median seconds per step of the controller's work over ``steps`` empty steps (5 blocks)."""
     from megatron.core import rerun_state_machine as upstream
 
-    from megatron.bridge.training.rerun import RerunController, build_rerun_state_machine, validate_loss
+    from megatron.bridge.training.health.rerun import RerunController, build_rerun_state_machine, validate_loss
     from megatron.bridge.utils import upstream as compat
 
     upstream.destroy_rerun_state_machine()

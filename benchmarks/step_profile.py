@@ -46,8 +46,11 @@ FEATURES = (
     ("train_step (bridge/training/train.py", "loop: step bookkeeping (zero grads, learning rate, metrics)"),
     ("CheckpointManager.finalize (bridge/training/checkpointing.py", "async saves: commit when done"),
     ("agree_after_step (bridge/training/train.py", "the step's one agreement all-reduce (stop flags, saves in flight)"),
-    ("RerunController.passes (bridge/training/rerun.py", "re-run state machine: per-step agreement, RNG snapshot"),
-    ("RerunController.end_step (bridge/training/rerun.py", "re-run state machine: step verdict"),
+    (
+        "RerunController.passes (bridge/training/health/rerun.py",
+        "re-run state machine: per-step agreement, RNG snapshot",
+    ),
+    ("RerunController.end_step (bridge/training/health/rerun.py", "re-run state machine: step verdict"),
     ("check_losses", "loss checks (NaN/Inf/spike)"),
     ("wrap_forward_step.<locals>.timed_forward_step", "straggler detection: forward timing"),
     ("_StepHolder.__call__ (bridge/training/nvrx_straggler.py", "straggler detection: step timing"),

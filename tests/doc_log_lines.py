@@ -200,10 +200,10 @@ CHECKS: dict[str, tuple[str, ...]] = {
         "resume from: … (…)",
         # health
         "device health: no device checks on this machine (…)",
-        "[attribution] rank 1 in stall_forever (fault_injection.py:…) [step open for … s]; all stacks in …",
+        "[attribution] rank 1 in stall_forever (injection.py:…) [step open for … s]; all stacks in …",
         "[attribution] rank … in … (…:…) [step open for … s]; all stacks in …",
         "[attribution] attempt_…: rank 0 in … (…) [step open for … s], waiting in a collective; rank 1 in "
-        "stall_forever (fault_injection.py:…) [step open for … s] — stacks in …/attempt_…",
+        "stall_forever (injection.py:…) [step open for … s] — stacks in …/attempt_…",
         "[attribution] attempt_…: … rank 1 in stall_forever …",
         "[attribution] attempt_…: …",
         # the drill's own report
@@ -298,7 +298,7 @@ CHECKS: dict[str, tuple[str, ...]] = {
     ),
     f"{_TRAINING}/test_health.py::test_stalled_peer_is_named_with_its_stack": (
         "training stopped: PEER_UNRESPONSIVE (exit code 24): liveness ping at iteration 5: rank 1 (last ping at "
-        "iteration 4; stack: rank 1 in stall_forever (fault_injection.py:…) [step open for … s]) did not answer within "
+        "iteration 4; stack: rank 1 in stall_forever (injection.py:…) [step open for … s]) did not answer within "
         "health.liveness_ping_timeout=4.0 s (dead or stuck; noticed after … s: …)",
         "liveness ping at iteration …: rank … (last ping at iteration …; stack: …) did not answer within "
         "health.liveness_ping_timeout=… s (dead or stuck; noticed after … s: …)",

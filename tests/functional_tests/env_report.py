@@ -11,7 +11,7 @@ from typing import Optional
 
 from tests.functional_tests.harness import Run
 
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 
 REPORT_ENV = "MBRIDGE_ENV_FAULT_REPORT"
 

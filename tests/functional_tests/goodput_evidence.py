@@ -31,7 +31,7 @@ event timestamps' wall clock by at most 500 ppm.
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron.bridge.training.event_stream import Event, EventKind, Process
+from megatron.bridge.training.events.stream import Event, EventKind, Process
 
 TICK_S = 0.02
 """A process start from ``/proc``: ``/proc/uptime`` and the start time are each read in 10 ms ticks."""

@@ -18,7 +18,7 @@ from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.goodput_evidence import SLEW, TICK_S, assert_goodput_agrees_with_events
 
 from megatron.bridge.drill import events, schedule
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.events.stream import EventKind
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_COMMANDS = ("bash scripts/run_main_job.sh", "mbridge-verify-checkpoint runs/main_job/checkpoints --all")

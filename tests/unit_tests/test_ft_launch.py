@@ -28,7 +28,7 @@ def test_without_a_readable_range_the_launcher_keeps_its_own_choice(tmp_path):
 def test_the_launchers_port_pick_is_replaced_for_the_run(monkeypatch):
     import nvidia_resiliency_ext.fault_tolerance.launcher as launcher
 
-    from megatron.bridge.launcher_events import MONITOR
+    from megatron.bridge.training.events.launcher import MONITOR
     from megatron.bridge.utils import upstream
 
     pick_port = _installed_port_pick()
@@ -102,7 +102,7 @@ def test_a_launcher_that_exits_0_after_its_workers_failed_exits_with_their_code(
 def test_a_launcher_that_ends_after_a_stop_code_exits_with_it(monkeypatch, capsys):
     import nvidia_resiliency_ext.fault_tolerance.launcher as launcher
 
-    from megatron.bridge.launcher_events import MONITOR
+    from megatron.bridge.training.events.launcher import MONITOR
     from megatron.bridge.utils import upstream
 
     for key in (_installed_port_pick(), MONITOR):
@@ -128,7 +128,7 @@ def test_a_launcher_that_ends_after_a_stop_code_exits_with_it(monkeypatch, capsy
 
 @pytest.mark.parametrize("code,left", [(1, 3), (-9, 3), (2, 0), (26, 0)])
 def test_only_a_stop_code_takes_the_agents_restarts_away(monkeypatch, code, left):
-    from megatron.bridge.launcher_events import MONITOR
+    from megatron.bridge.training.events.launcher import MONITOR
     from megatron.bridge.utils import upstream
 
     _restored(monkeypatch, MONITOR)

@@ -17,7 +17,8 @@ to restart it (a config error found at start-up): the restarts left are dropped,
 launcher exits with its code.
 
 ``--event-dir DIR`` (ours, removed before ft_launcher parses the rest) writes the launcher's side of the event
-stream into ``DIR`` (``launcher_events.py``: worker exits, in-job restarts and their phases, rank-monitor timeouts)
+stream into ``DIR`` (``training/events/launcher.py``: worker exits, in-job restarts and their phases, rank-monitor
+timeouts)
 and ``exit`` with the launcher's exit code; give the ranks the same directory (``health.event_dir``, by default
 ``<checkpoint.save>/events``).
 
@@ -26,7 +27,7 @@ anything starts (a bind probe, ``utils/rendezvous_port.py``), instead of a rende
 squatter to answer; the store's own bind or connection error, if it surfaces later, is mapped the same way: one
 paragraph naming the host, the port and the fix, exit code 28 (``LAUNCH_FAILED``; with ``--event-dir``, an ``exit``
 event with the paragraph as its ``detail``). With ``--event-dir``, a worker the kernel's out-of-memory killer killed
-is named as such (``launcher_events.py``, ``utils/oom.py``).
+is named as such (``training/events/launcher.py``, ``utils/oom.py``).
 
 Example:
     python -m megatron.bridge.ft_launch --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0
@@ -40,10 +41,14 @@ import socket
 import sys
 from typing import Any, Optional
 
-from megatron.bridge import launcher_events, standby
-from megatron.bridge.training.event_stream import EventKind, EventWriter, Process, launcher_file
+from megatron.bridge import standby
+from megatron.bridge.training.config_sections.resiliency import (
+    INPROCESS_COORDINATION_PORT_OFFSET,
+    INPROCESS_STORE_PORT_OFFSET,
+)
+from megatron.bridge.training.events import launcher as launcher_events
+from megatron.bridge.training.events.stream import EventKind, EventWriter, Process, launcher_file
 from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, job_exit_code
-from megatron.bridge.training.resiliency_config import INPROCESS_COORDINATION_PORT_OFFSET, INPROCESS_STORE_PORT_OFFSET
 from megatron.bridge.utils import rendezvous_port, upstream
 from megatron.bridge.utils.process_start import process_start_time
 from megatron.bridge.utils.rendezvous_port import StorePort

@@ -6,7 +6,7 @@ import pytest
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
 
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.events.stream import EventKind
 
 
 @pytest.mark.parametrize(

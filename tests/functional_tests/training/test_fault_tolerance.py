@@ -7,7 +7,7 @@ import pytest
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail
 
-from megatron.bridge.training.event_stream import Event, EventKind, Mechanism, RestartLayer
+from megatron.bridge.training.events.stream import Event, EventKind, Mechanism, RestartLayer
 
 FT = "ft.enable_ft_package=true"
 

@@ -10,8 +10,8 @@ from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.goodput_evidence import FLOAT_S, assert_goodput_agrees_with_events
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail
 
-from megatron.bridge.training.event_stream import EventKind
-from megatron.bridge.training.goodput import CAUSES, GoodputTracker
+from megatron.bridge.training.events.goodput import CAUSES, GoodputTracker
+from megatron.bridge.training.events.stream import EventKind
 
 _LINE_RE = re.compile(
     r"\[rank0\].* goodput: (\d\.\d{3}) \(productive ([\d.]+) s of ([\d.]+) s wall\) \| lost: (.*)$", re.M

@@ -6,7 +6,7 @@ import re
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import KEEP_SCHEDULE, ft_launcher, tail, torchrun, without_launcher
 
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 
 PING = ["health.liveness_ping_interval=1", "health.liveness_ping_timeout=4"]
 
@@ -48,15 +48,16 @@ def test_stalled_peer_is_named_with_its_stack(tmp_path):
     run = torchrun(ckpt, *PING, env={"MBRIDGE_FAULTS": "stall@5:1"}, timeout=180)
     assert run.exit_code == 24, tail(run)
     line = next(x for x in run.output.splitlines() if "PEER_UNRESPONSIVE (exit code 24)" in x)
-    assert "rank 1 (last ping at iteration 4; stack: rank 1 in stall_forever (fault_injection.py:" in line, line
+    assert "rank 1 (last ping at iteration 4; stack: rank 1 in stall_forever (injection.py:" in line, line
     assert "rank 0" not in line.split("did not answer")[0], "the waiting survivor is not blamed"
     assert_doc_log_lines(run.output)
     (stacks_file,) = (ckpt / "attribution").glob("attempt_*_0_0_0/rank1.stacks")
     stacks = stacks_file.read_text()
     assert "in stall_forever" in stacks and "--- step open for" in stacks
     # The dump came from the stalled rank itself, before the survivor gave up.
-    assert "[rank1] WARNING megatron.bridge.training.hang_attribution: [attribution] rank 1 in stall_forever" in (
-        run.output
+    assert (
+        "[rank1] WARNING megatron.bridge.training.health.hang_attribution: [attribution] rank 1 in stall_forever"
+        in (run.output)
     )
 
 
@@ -69,7 +70,7 @@ def test_hang_attribution_names_the_stuck_function_after_an_ft_restart(tmp_path)
     first_attempt = re.compile(r"\[rank0\].*\[attribution\] attempt_\S+_0_0_0:")
     summary = [x for x in run.output.splitlines() if first_attempt.search(x)]
     assert len(summary) == 1, tail(run, 120)
-    assert "rank 1 in stall_forever (fault_injection.py:" in summary[0], summary[0]
+    assert "rank 1 in stall_forever (injection.py:" in summary[0], summary[0]
     assert re.search(r"rank 0 in \S+ \([\w.]+:\d+\) \[step open for [\d.]+ s\], waiting in a collective", summary[0])
     (folder,) = (ckpt / "attribution").glob("attempt_*_0_0_0")
     assert (folder / "summary.txt").read_text().strip() in summary[0]

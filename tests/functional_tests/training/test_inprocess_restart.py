@@ -10,7 +10,7 @@ import re
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import Run, assert_same_state, checkpoint_state, ft_launcher, tail, torchrun
 
-from megatron.bridge.training.event_stream import EventKind, Mechanism, Process, RestartLayer
+from megatron.bridge.training.events.stream import EventKind, Mechanism, Process, RestartLayer
 
 ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
 # Timeouts for a 2-core machine: a step takes ~0.03 s and a save up to a few seconds.
@@ -74,7 +74,7 @@ def test_stalled_rank_times_out_softly_and_restarts_in_process(reference_tp1, tm
     # Hang attribution: the stalled rank wrote its stack before the soft timeout; the next iteration sums it up.
     first_attempt = re.compile(r"\[rank0\].*\[attribution\] attempt_\S+_0_0_0:")
     summary = [x for x in run.output.splitlines() if first_attempt.search(x)]
-    assert len(summary) == 1 and "rank 1 in stall_forever (fault_injection.py:" in summary[0], tail(run, 80)
+    assert len(summary) == 1 and "rank 1 in stall_forever (injection.py:" in summary[0], tail(run, 80)
     starts = _pids(run)
     for rank in (0, 1):
         assert [i for i, _ in starts[rank]] == [0, 1] and len({pid for _, pid in starts[rank]}) == 1, starts

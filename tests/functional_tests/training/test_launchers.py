@@ -2,7 +2,7 @@
 
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, ft_launcher, tail
 
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.events.stream import EventKind
 
 
 def test_in_job_restart_after_crash_during_save(reference_tp1, tmp_path):

@@ -33,7 +33,7 @@ from tests.functional_tests.harness import (
     torchrun,
 )
 
-from megatron.bridge.training.event_stream import Mechanism
+from megatron.bridge.training.events.stream import Mechanism
 
 # Global saves at 3, 6, 9 (harness BASE); local saves every 2 iterations, so the local tier holds iteration 8 when the
 # drill strikes at the start of iteration 9, newer than the global checkpoint at 6.

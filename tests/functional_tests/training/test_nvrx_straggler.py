@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tests.functional_tests.harness import Run, assert_same_state, checkpoint_state, tail, torchrun
 
-from megatron.bridge.training.event_stream import Mechanism
+from megatron.bridge.training.events.stream import Mechanism
 
 # Scores compare the ranks' step times: other drills on the same 2 cores load one rank's core more than the other's
 # (a healthy rank scored 0.54 beside two other test runs), so these run alone, after the parallel ones.

@@ -21,7 +21,7 @@ from tests.functional_tests.harness import (
     torchrun,
 )
 
-from megatron.bridge.training.event_stream import Mechanism
+from megatron.bridge.training.events.stream import Mechanism
 
 HANDLER = "train.exit_signal_handler=true"
 

@@ -18,8 +18,8 @@ from tests.functional_tests.harness import (
 )
 
 from megatron.bridge.training.checkpoint.compare import flatten as _flatten
-from megatron.bridge.training.event_stream import Mechanism
-from megatron.bridge.training.rng import rng_state_from_tensor
+from megatron.bridge.training.checkpoint.rng import rng_state_from_tensor
+from megatron.bridge.training.events.stream import Mechanism
 
 VALIDATE = "rerun_state_machine.rerun_mode=validate_results"
 

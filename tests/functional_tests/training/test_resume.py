@@ -4,7 +4,7 @@ import shutil
 
 from tests.functional_tests.harness import assert_same_state, checkpoint_state, tail, torchrun
 
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.events.stream import EventKind
 
 
 def _assert_resumed_like_reference(first, second, reference, ckpt, reference_ckpt, stop_at=6):

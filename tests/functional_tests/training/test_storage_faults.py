@@ -1,7 +1,7 @@
 """Storage fault drills: checkpoint storage that fills up, turns read-only or unreadable, or vanishes mid-run.
 
 Every fault is real: a size-limited tmpfs (``mount -t tmpfs -o size=...``), one filled up during a save by the
-``fill`` fault (``fault_injection.py``), a read-only tmpfs, a directory the job's processes may not read (their
+``fill`` fault (``faults/injection.py``), a read-only tmpfs, a directory the job's processes may not read (their
 ``CAP_DAC_OVERRIDE`` dropped with ``setpriv``, so that root obeys the mode bits), a save directory deleted while
 the run is stopped. Each drill checks that the fault is detected (exit code and ``fault_detected`` event), attributed
 (the message names the directory), that nothing is lost (the tracker names the last good iteration, which verifies,
@@ -37,8 +37,8 @@ from tests.mounts import slow_disk, tmpfs
 from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import layout, manifest, storage
-from megatron.bridge.training.event_stream import EventKind, Mechanism
-from megatron.bridge.training.fault_injection import FILL_FILE
+from megatron.bridge.training.events.stream import EventKind, Mechanism
+from megatron.bridge.training.faults.injection import FILL_FILE
 
 FT = "ft.enable_ft_package=true"
 # Sections without timeouts: the ranks report them and can ask ft_launcher not to restart, but the rank monitor

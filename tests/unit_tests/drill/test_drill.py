@@ -10,10 +10,10 @@ import torch
 
 from megatron.bridge.drill import events, report, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
-from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import compare
 from megatron.bridge.training.checkpoint.compare import PartCount
-from megatron.bridge.training.event_stream import EventKind, EventWriter, Mechanism, Process, RestartLayer
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, EventWriter, Mechanism, Process, RestartLayer
 from megatron.bridge.utils import provenance
 
 PLAN = Plan(train_iters=100, nproc=2, save_interval=20, local_interval=5, max_restarts=6)

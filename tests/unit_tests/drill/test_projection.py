@@ -24,7 +24,7 @@ from megatron.bridge.drill.projection_model import (
     young,
 )
 from megatron.bridge.drill.schedule import DrillFault
-from megatron.bridge.training.goodput import GoodputTracker
+from megatron.bridge.training.events.goodput import GoodputTracker
 
 T0 = 1_700_000_000.0
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from tests.unit_tests.configs import base_config
 
-from megatron.bridge.training import field_support
 from megatron.bridge.training.config import (
     CheckpointConfig,
     MockGPTDatasetConfig,
@@ -18,8 +17,9 @@ from megatron.bridge.training.config import (
     _with_sections,
     runtime_config_update,
 )
-from megatron.bridge.training.config_validation import require_tokenizer
-from megatron.bridge.training.optimizer import build_scheduler
+from megatron.bridge.training.config_checks import field_support
+from megatron.bridge.training.config_checks.container import require_tokenizer
+from megatron.bridge.training.optim import build_scheduler
 from megatron.bridge.training.utils import config_reference
 from megatron.bridge.training.utils.overrides import apply_overrides
 

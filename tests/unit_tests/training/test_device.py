@@ -11,8 +11,9 @@ import pytest
 import torch
 from tests.unit_tests.configs import base_config
 
-from megatron.bridge.training import device_health, initialize
+from megatron.bridge.training import initialize
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.health import device as device_health
 from megatron.bridge.training.utils.overrides import apply_overrides
 from megatron.bridge.utils import cpu_shims
 

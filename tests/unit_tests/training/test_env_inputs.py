@@ -14,14 +14,14 @@ from typing import Any, Optional
 
 import pytest
 
-from megatron.bridge.training.env_inputs import ENV_INPUTS, NAMES
+from megatron.bridge.training.config_checks.env_inputs import ENV_INPUTS, NAMES
 
 VALIDATION_MODULES = (
     "megatron.bridge.training.config",
-    "megatron.bridge.training.config_validation",
-    "megatron.bridge.training.resiliency_validation",
-    "megatron.bridge.training.checkpoint.validation",
-    "megatron.bridge.training.field_support",
+    "megatron.bridge.training.config_checks.container",
+    "megatron.bridge.training.config_checks.resiliency",
+    "megatron.bridge.training.config_checks.checkpoint",
+    "megatron.bridge.training.config_checks.field_support",
     "megatron.bridge.utils.fields",
 )
 """``ConfigContainer.validate()`` and the modules its checks live in."""

@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 from tests.unit_tests.configs import base_config
 
-from megatron.bridge import ft_launch, launcher_events
-from megatron.bridge.training import event_stream
+from megatron.bridge import ft_launch
 from megatron.bridge.training.callbacks import CallbackContext, CheckpointCallbackContext
 from megatron.bridge.training.checkpointing import CheckpointType
-from megatron.bridge.training.event_recorder import EventRecorder
-from megatron.bridge.training.event_stream import (
+from megatron.bridge.training.events import launcher as launcher_events
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.recorder import EventRecorder
+from megatron.bridge.training.events.stream import (
     SCHEMA_VERSION,
     Event,
     EventKind,
@@ -164,10 +165,10 @@ def test_a_forked_child_never_writes_its_parents_buffered_steps(tmp_path):
 _RANK_SCRIPT = """
 import os, signal, sys
 from types import SimpleNamespace
-from megatron.bridge.training import event_stream
+from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.callbacks import CallbackContext
-from megatron.bridge.training.event_recorder import EventRecorder
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.events.recorder import EventRecorder
+from megatron.bridge.training.events.stream import EventKind
 event_stream.configure(sys.argv[1], rank=0)
 recorder = EventRecorder(0, flush_interval=5)
 for step in range(7):  # iterations 1..7: flushed after 5

@@ -12,10 +12,10 @@ import pytest
 import torch
 from tests.unit_tests.configs import base_config
 
-from megatron.bridge.training import fault_injection
 from megatron.bridge.training.config import FaultInjectionConfig
-from megatron.bridge.training.fault_injection import Fault, FaultRegistry, StepFaults, parse
 from megatron.bridge.training.fault_tolerance import maybe_setup_simulated_fault
+from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.training.faults.injection import Fault, FaultRegistry, StepFaults, parse
 from megatron.bridge.training.utils.overrides import apply_overrides
 
 

@@ -11,7 +11,7 @@ from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import fault_tolerance
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.fault_tolerance_client import LayeredClient
+from megatron.bridge.training.health.rank_monitor_client import LayeredClient
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.utils.overrides import apply_overrides
 
@@ -207,7 +207,7 @@ def test_an_unreadable_state_file_is_ignored(tmp_path, fake_client, caplog):
 
 
 def test_under_inprocess_restart_hang_timeouts_stay_above_its_hard_timeout(tmp_path, fake_client, caplog, monkeypatch):
-    caplog.set_level("INFO", logger="megatron.bridge.training.fault_tolerance_client")
+    caplog.set_level("INFO", logger="megatron.bridge.training.health.rank_monitor_client")
     monkeypatch.setattr(FakeRankMonitorClient, "sections", {"setup": 600.0, "step": 30.0, "checkpointing": 420.0})
     layered = ("ft.enable_ft_package=true", "ft.calc_ft_timeouts=true", "inprocess_restart.enabled=true")
     cfg, state = _state(tmp_path, *layered, "inprocess_restart.hard_timeout=45")

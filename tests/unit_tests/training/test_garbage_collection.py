@@ -8,7 +8,7 @@ from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import train
 from megatron.bridge.training.config import TrainingConfig
-from megatron.bridge.training.garbage_collection import GarbageCollectionCallback, maybe_run_manual_gc
+from megatron.bridge.training.utils.garbage_collection import GarbageCollectionCallback, maybe_run_manual_gc
 from megatron.bridge.utils.fields import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from megatron.bridge.training import goodput
-from megatron.bridge.training.goodput import CAUSES, GoodputTracker
+from megatron.bridge.training.events import goodput
+from megatron.bridge.training.events.goodput import CAUSES, GoodputTracker
 
 LINE_RE = re.compile(r"^goodput: (\d\.\d{3}) \(productive ([\d.]+) s of ([\d.]+) s wall\) \| lost: (.*)$")
 
@@ -65,7 +65,7 @@ def test_first_attempt_counts_startup_steps_saves_and_adds_up(tmp_path, caplog):
     clock.advance(5)  # model build, checkpoint load
     tracker.resume(None, 0, loaded=False)
     _train(tracker, clock, 6, save_every=3)
-    with caplog.at_level(logging.INFO, logger="megatron.bridge.training.goodput"):
+    with caplog.at_level(logging.INFO, logger="megatron.bridge.training.events.goodput"):
         summary = tracker.finish(6, "FINISHED (exit code 0)")
     assert summary["job_start"] == 990 and summary["attempts"] == 1 and summary["iteration"] == 6
     assert summary["productive_s"] == pytest.approx(6.0)
@@ -209,7 +209,7 @@ def test_entry_round_trips_through_a_checkpoint_file(tmp_path):
 def test_old_checkpoint_without_the_entry_starts_afresh_and_warns_once(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(goodput, "_warned_missing", False)
     clock = Clock(1000.0)
-    with caplog.at_level(logging.WARNING, logger="megatron.bridge.training.goodput"):
+    with caplog.at_level(logging.WARNING, logger="megatron.bridge.training.events.goodput"):
         for job in ("a", "b"):
             tracker = _tracker(tmp_path, clock, job=job)
             tracker.resume(None, 6, loaded=True)

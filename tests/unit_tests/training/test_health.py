@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 from tests.unit_tests.configs import base_config
 
-from megatron.bridge.training import device_health, hang_attribution
 from megatron.bridge.training.config import HealthConfig
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
-from megatron.bridge.training.liveness import LivenessPing
+from megatron.bridge.training.health import device as device_health
+from megatron.bridge.training.health import hang_attribution
+from megatron.bridge.training.health.liveness import LivenessPing
 from megatron.bridge.utils import upstream
 
 
@@ -67,7 +68,7 @@ def test_summary_of_earlier_attempts_is_written_once(tmp_path, caplog):
     (folder / "rank1.stacks").write_text(
         f"rank 1 pid 9 main thread {main}\n--- step open for 3.0 s\n"
         'Current thread 0x00007f0000000002 (most recent call first):\n  File "/x/hang.py", line 5 in _watch\n\n'
-        f'Thread {main} (most recent call first):\n  File "/x/fault_injection.py", line 130 in stall_forever\n'
+        f'Thread {main} (most recent call first):\n  File "/x/injection.py", line 130 in stall_forever\n'
         '  File "/x/train.py", line 200 in train\n'
     )
     (folder / "rank0.stacks").write_text(
@@ -81,7 +82,7 @@ def test_summary_of_earlier_attempts_is_written_once(tmp_path, caplog):
     assert len(lines) == 1
     line = lines[0]
     assert "rank 0 in all_reduce (distributed_c10d.py:3252) [step open for 3.1 s], waiting in a collective" in line
-    assert "rank 1 in stall_forever (fault_injection.py:130) [step open for 3.0 s]" in line
+    assert "rank 1 in stall_forever (injection.py:130) [step open for 3.0 s]" in line
     assert "no stack from rank2" in line
     assert (folder / "summary.txt").exists()
     assert hang_attribution.summarize_earlier_attempts(str(tmp_path), "attempt_0_1_0") == []  # once
@@ -187,7 +188,7 @@ def test_other_survivors_report_the_searching_rank_verdict(monkeypatch):
 
 
 def test_without_a_verdict_the_survivor_says_so(monkeypatch):
-    import megatron.bridge.training.liveness as liveness
+    import megatron.bridge.training.health.liveness as liveness
 
     monkeypatch.setattr(liveness, "VERDICT_GRACE_S", 0.3)
     world = _OneRank(monkeypatch, 2)
@@ -227,7 +228,7 @@ def test_ping_off_joins_no_collective_and_records_nothing(monkeypatch, caplog):
         monkeypatch.setattr(upstream, "default_store", lambda: store)
         calls.clear()
         caplog.clear()
-        with caplog.at_level(logging.DEBUG, logger="megatron.bridge.training.liveness"):
+        with caplog.at_level(logging.DEBUG, logger="megatron.bridge.training.health.liveness"):
             ping = LivenessPing(cfg, "0.0", {}.get)
             ping.setup()
             for iteration in range(1, 13):

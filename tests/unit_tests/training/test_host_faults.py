@@ -17,12 +17,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.run import parse_args
 
-from megatron.bridge import ft_launch, launch, launcher_events
-from megatron.bridge.training import event_stream, fault_effects, fault_injection
-from megatron.bridge.training.event_stream import EventKind, EventWriter, Mechanism, Process, read_events
+from megatron.bridge import ft_launch, launch
+from megatron.bridge.training.events import launcher as launcher_events
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.goodput import GoodputTracker
+from megatron.bridge.training.events.stream import EventKind, EventWriter, Mechanism, Process, read_events
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.fault_injection import Fault, parse
-from megatron.bridge.training.goodput import GoodputTracker
+from megatron.bridge.training.faults import effects as fault_effects
+from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.training.faults.injection import Fault, parse
 from megatron.bridge.utils import oom, rendezvous_port
 from megatron.bridge.utils.rendezvous_port import StorePort, hosted_store
 

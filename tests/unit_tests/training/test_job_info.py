@@ -3,7 +3,7 @@
 import json
 import logging
 
-from megatron.bridge.training import job_info
+from megatron.bridge.training.events import job_info
 
 SLURM_ENV = {
     "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",

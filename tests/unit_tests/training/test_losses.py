@@ -4,7 +4,8 @@ import functools
 
 import torch
 
-from megatron.bridge.training import losses, rerun
+from megatron.bridge.training import losses
+from megatron.bridge.training.health import rerun
 
 
 class _Machine:

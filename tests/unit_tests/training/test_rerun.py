@@ -9,7 +9,7 @@ from megatron.core import rerun_state_machine as upstream
 
 from megatron.bridge.training.checkpoint import layout
 from megatron.bridge.training.config import RerunStateMachineConfig
-from megatron.bridge.training.rerun import ATTEMPTS_FILE, RerunController, build_rerun_state_machine
+from megatron.bridge.training.health.rerun import ATTEMPTS_FILE, RerunController, build_rerun_state_machine
 from megatron.bridge.utils import upstream as compat
 
 
@@ -90,7 +90,7 @@ def test_no_fallback_without_an_older_checkpoint(tmp_path):
 
 
 def test_check_losses_validates_a_copy_of_each_loss_where_the_loss_function_computes_it(monkeypatch):
-    from megatron.bridge.training import rerun
+    from megatron.bridge.training.health import rerun
 
     checked = []
     monkeypatch.setattr(rerun, "validate_loss", checked.append)

@@ -16,15 +16,16 @@ import torch
 from tests.mounts import tmpfs
 from tests.unit_tests.configs import base_config
 
-from megatron.bridge.training import event_stream, fault_injection
 from megatron.bridge.training.checkpoint import layout, storage
 from megatron.bridge.training.checkpoint.storage import StorageFault
 from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard, missing_checkpoint
-from megatron.bridge.training.checkpoint.validation import validate_checkpoint
 from megatron.bridge.training.config import CheckpointConfig
-from megatron.bridge.training.event_stream import EventKind, Mechanism, read_events
+from megatron.bridge.training.config_checks.checkpoint import validate_checkpoint
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism, read_events
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
-from megatron.bridge.training.fault_injection import Fault, parse
+from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.training.faults.injection import Fault, parse
 from megatron.bridge.utils.dist import RankZeroError
 
 REPO = Path(__file__).resolve().parents[3]

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron.bridge.drill import events, report, runner, schedule
 from megatron.bridge.drill.schedule import DrillFault, Plan
-from megatron.bridge.training import fault_injection
-from megatron.bridge.training.resiliency_validation import INPROCESS_ENV
+from megatron.bridge.training.config_checks.resiliency import INPROCESS_ENV
+from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.utils import provenance
 
 if TYPE_CHECKING:  # the comparison imports torch: only when the drill compares

@@ -2,7 +2,7 @@
 
 The failure it avoids: reconstructing a run from its log text breaks when a message is reworded, misattributes
 lines when processes interleave, and cannot time what no line states. The drill reads the job's event stream
-instead (``training/event_stream.py``, ``docs/training/events.md``): typed events every rank and the launcher
+instead (``training/events/stream.py``, ``docs/training/events.md``): typed events every rank and the launcher
 appended, each with its wall-clock time (unix seconds; every process of the drill runs on one machine, so the times
 of different processes compare). Lines the reader had to skip (truncated, not JSON, an unknown version) are kept in
 :attr:`Timeline.problems` and reported, never fatal.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.bridge.drill.schedule import MUTATIONS, RELOADING, DrillFault, ledger_kind, worker_fault
-from megatron.bridge.training.event_stream import Event, EventKind, Mechanism, Problem, RestartLayer, read_events
+from megatron.bridge.training.events.stream import Event, EventKind, Mechanism, Problem, RestartLayer, read_events
 
 DETECTED_BY: dict[Mechanism, str] = {
     Mechanism.LAUNCHER_WORKER_EXIT: "ft_launcher: worker exited",

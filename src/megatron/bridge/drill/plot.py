@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.bridge.drill.events import Outcome, Timeline
-from megatron.bridge.training.event_stream import RestartLayer
+from megatron.bridge.training.events.stream import RestartLayer
 from megatron.bridge.utils.optional_imports import require
 
 _COLORS = {"kill": "tab:red", "hang": "tab:purple", "stall": "tab:pink", "preempt": "tab:orange", "nan": "tab:brown",

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron.bridge.drill.events import DETECTED_BY, Outcome, Restart, Timeline, recovered_by
-from megatron.bridge.training.event_stream import Mechanism, RestartLayer
-from megatron.bridge.training.event_stream import to_json as to_event_json
+from megatron.bridge.training.events.stream import Mechanism, RestartLayer
+from megatron.bridge.training.events.stream import to_json as to_event_json
 from megatron.bridge.utils.provenance import Provenance
 
 if TYPE_CHECKING:  # the comparison imports torch

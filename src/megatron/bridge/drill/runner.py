@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from megatron.bridge.training.fault_effects import descendants
+from megatron.bridge.training.faults.effects import descendants
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ its ``skip_restore``), each striking once per job thanks to the ledger (``fault_
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.bridge.training.fault_injection import RESTORE, Fault
+from megatron.bridge.training.faults.injection import RESTORE, Fault
 
 DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,stall@47:1,slow@48:1:x6"
 """One of each kind, for 100 iterations with global saves every 20 and local ones every 5.

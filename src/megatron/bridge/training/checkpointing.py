@@ -33,7 +33,6 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.utils import get_pg_size
 
-from megatron.bridge.training import event_stream, fault_injection
 from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, snapshot_writer, storage
 from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
 from megatron.bridge.training.checkpoint.contexts import CheckpointLoadContext, CheckpointSaveContext
@@ -54,8 +53,10 @@ from megatron.bridge.training.checkpoint.state_dict import (  # noqa: F401 - Meg
 )
 from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard, missing_checkpoint
 from megatron.bridge.training.config import CheckpointConfig
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
+from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.training.utils.checkpoint_utils import (  # noqa: F401 - Megatron-Bridge's names, re-exported
     TRACKER_PREFIX,

@@ -4,11 +4,11 @@ A run is described by a :class:`ConfigContainer` of megatron-core configs (``GPT
 ``DistributedDataParallelConfig``, ``GPTDatasetConfig``) and the sections below. Recipes build one, entry scripts
 apply dotted overrides (``train.train_iters=100 ft.enable_ft_package=True``) and :meth:`ConfigContainer.validate`
 rejects every inconsistent combination, and every field this framework cannot honour, with a :class:`ValueError`
-that names the field and the fix (the checks live in ``config_validation.py``; the list of refused fields in
-``field_support.py``; ``docs/training/config-reference.md`` lists every field with its status).
+that names the field and the fix (the checks live in ``config_checks/container.py``; the list of refused fields in
+``config_checks/field_support.py``; ``docs/training/config-reference.md`` lists every field with its status).
 
 The resiliency sections (``ft``, ``nvrx_straggler``, ``inprocess_restart``, ``rerun_state_machine``, ...) are
-defined in ``resiliency_config.py`` and importable from here, as in Megatron-Bridge.
+defined in ``config_sections/resiliency.py`` and importable from here, as in Megatron-Bridge.
 """
 
 import dataclasses
@@ -19,11 +19,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
-from megatron.bridge.training import section_checks
-from megatron.bridge.training.cross_checks import (
+from megatron.bridge.training.config_checks import sections as section_checks
+from megatron.bridge.training.config_checks.cross import (
     validate_precision_consistency as _validate_mixed_precision_consistency,
 )
-from megatron.bridge.training.resiliency_config import (
+from megatron.bridge.training.config_sections.resiliency import (
     INPROCESS_STORE_PORT_OFFSET,
     FaultInjectionConfig,
     FaultToleranceConfig,
@@ -175,7 +175,8 @@ class TrainingConfig:
     grace time (``PreemptionPlugin.preempt_time``, Slurm ``KillWait``); ``None`` waits for the save however long."""
     manual_gc: bool = False
     """Turn Python's automatic garbage collection off and collect on every rank at the same steps, every
-    ``manual_gc_interval`` steps (``training/garbage_collection.py``; set-up's objects are frozen either way, except
+    ``manual_gc_interval`` steps (``training/utils/garbage_collection.py``; set-up's objects are frozen either way,
+    except
     under in-process restart)."""
     manual_gc_interval: int = 0
     """Steps between manual garbage collections (0: only around evaluation, with ``manual_gc_eval``)."""
@@ -595,7 +596,7 @@ class ConfigContainer:
 
     def get_data_parallel_size(self, world_size: int) -> int:
         """Data-parallel replicas among ``world_size`` ranks (the active ones with in-process restart's reserves)."""
-        from megatron.bridge.training.config_validation import active_ranks, check_world_divisible
+        from megatron.bridge.training.config_checks.container import active_ranks, check_world_divisible
 
         return check_world_divisible(self.model, active_ranks(self, world_size))
 
@@ -616,7 +617,10 @@ class ConfigContainer:
             world_size: number of ranks; defaults to this process's (``get_world_size_safe()``: the process
                 group's, else ``$WORLD_SIZE``, else 1).
         """
-        from megatron.bridge.training.config_validation import validate_config, validate_fields  # never imports this
+        from megatron.bridge.training.config_checks.container import (
+            validate_config,
+            validate_fields,
+        )  # never imports this
 
         if world_size is None:
             world_size = get_world_size_safe()
@@ -647,7 +651,7 @@ def apply_environment_variables(cfg: ConfigContainer) -> None:
         ValueError: a name that is not a non-empty string.
         TypeError: a value that is not a string, number or bool.
     """
-    from megatron.bridge.training.env_defaults import apply_env_defaults
+    from megatron.bridge.training.utils.env_defaults import apply_env_defaults
 
     apply_env_defaults(cfg.env_vars)
 

@@ -14,7 +14,8 @@ The module functions are Megatron-Bridge's API, and the ones the training loop c
 :class:`FaultToleranceCallback`); each is a no-op while no client is connected (fault tolerance off). Beyond it:
 
 - if the launcher has no timeouts for these sections, heartbeats are sent instead, and under in-process restart the
-  hang timeouts are kept at least its ``hard_timeout`` (``fault_tolerance_client.py``, :func:`keep_timeouts_at_least`);
+  hang timeouts are kept at least its ``hard_timeout`` (``health/rank_monitor_client.py``,
+  :func:`keep_timeouts_at_least`);
 - if the rank monitor dies first (a scheduler signals every process of the job), the rank warns and goes on without
   it, so that it can still save its checkpoint;
 - :func:`report_exit`: a finished run, or one ending with a code whose action is *stop*, is neither restarted by
@@ -33,12 +34,12 @@ import os
 import random
 from typing import Any, Optional
 
-from megatron.bridge.training import fault_injection
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode
-from megatron.bridge.training.fault_injection import Fault
-from megatron.bridge.training.fault_tolerance_client import LayeredClient, describe, missing_sections, timeout_of
+from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.training.faults.injection import Fault
+from megatron.bridge.training.health.rank_monitor_client import LayeredClient, describe, missing_sections, timeout_of
 from megatron.bridge.utils.common_utils import get_rank_safe, get_world_size_safe, print_rank_0
 from megatron.bridge.utils.fs import atomic_write
 
@@ -105,7 +106,7 @@ def setup(config: ConfigContainer, global_state: Any) -> None:
 def keep_timeouts_at_least(global_state: Any, seconds: float) -> None:
     """Keep the hang timeouts at least ``seconds`` from now on (in-process restart's ``hard_timeout``).
 
-    Call it after :func:`setup`; a no-op while no client is connected. See ``fault_tolerance_client.py``.
+    Call it after :func:`setup`; a no-op while no client is connected. See ``health/rank_monitor_client.py``.
     """
     client = global_state.rank_monitor_client
     if client is None:

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, ConfigContainer
-from megatron.bridge.training.config_validation import check_precision_on_device
-from megatron.bridge.training.device_health import resolve_device
+from megatron.bridge.training.config_checks.container import check_precision_on_device
+from megatron.bridge.training.config_sections.resiliency import INPROCESS_COORDINATION_PORT_OFFSET
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
-from megatron.bridge.training.resiliency_config import INPROCESS_COORDINATION_PORT_OFFSET
+from megatron.bridge.training.health.device import resolve_device
 from megatron.bridge.utils import upstream
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def init_rerun_state(cfg: ConfigContainer) -> None:
     """
     from megatron.core import rerun_state_machine
 
-    from megatron.bridge.training.rerun import build_rerun_state_machine
+    from megatron.bridge.training.health.rerun import build_rerun_state_machine
 
     rerun_state_machine.destroy_rerun_state_machine()
     # The public initializer builds the plain upstream class; ours fixes its determinism-stats report.

@@ -50,13 +50,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import async_writer
 from megatron.bridge.training.config import INPROCESS_STORE_PORT_OFFSET, InProcessRestartConfig
-from megatron.bridge.training.device_health import visible_gpu
-from megatron.bridge.training.event_stream import EventKind, RestartLayer
+from megatron.bridge.training.config_sections.resiliency import INPROCESS_COORDINATION_PORT_OFFSET
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, RestartLayer
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
-from megatron.bridge.training.resiliency_config import INPROCESS_COORDINATION_PORT_OFFSET
+from megatron.bridge.training.health.device import visible_gpu
 from megatron.bridge.utils.optional_imports import require
 
 logger = logging.getLogger(__name__)

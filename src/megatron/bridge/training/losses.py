@@ -1,7 +1,7 @@
 """Losses: one micro-batch's language-model loss, and a step's reported losses averaged over micro-batches and ranks.
 
 ``masked_next_token_loss`` has the form megatron-core's schedule and Megatron-Bridge expect, and checks the loss it
-computes with megatron-core's re-run state machine as its ``check_for_*`` flags say (``rerun.py`` describes what
+computes with megatron-core's re-run state machine as its ``check_for_*`` flags say (``health/rerun.py`` describes what
 each ``rerun_mode`` then does). The train loop checks the loss of any other loss function the same way
 (``rerun.check_losses``), so every loss is checked exactly once.
 """
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
-from megatron.bridge.training import event_stream
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 
 _DEFAULT_SPIKY_LOSS_FACTOR: float = 10.0
 """A loss this many times the running maximum is a spike, unless the state machine carries ``spiky_loss_factor``

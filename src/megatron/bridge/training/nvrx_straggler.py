@@ -11,7 +11,7 @@ detector into a number of steps that is the same on every rank, all ranks build 
 Rank 0 logs the report in the format NeMo users know (``GPU relative performance:``, ``Worst performing N/M
 ranks:``, ``Rank=… Node=… Score=…``, ``Straggler report processing time: … sec.``) and flags every rank whose score
 is below its threshold (and writes the scores as a ``straggler_report`` event, each flagged rank as a
-``fault_detected`` one: ``event_stream.py``); nvidia-resiliency-ext's own verdict on the kernel scores is logged as
+``fault_detected`` one: ``events/stream.py``); nvidia-resiliency-ext's own verdict on the kernel scores is logged as
 Megatron-Bridge logs it (``STRAGGLER DETECTION WARNING: …``). With ``stop_if_detected`` rank 0 broadcasts the
 decision (a one-element tensor), so all ranks stop after the same step (the train loop then saves and exits with
 ``ExitCode.STRAGGLER_STOP``).
@@ -46,11 +46,11 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.config_sections.resiliency import NVRxStragglerDetectionConfig
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.resiliency_config import NVRxStragglerDetectionConfig
 from megatron.bridge.utils.optional_imports import STRAGGLER_PACKAGES
 
 

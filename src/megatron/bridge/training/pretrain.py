@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from megatron.bridge.training import event_stream, fault_injection, fault_tolerance, job_info
+from megatron.bridge.training import fault_tolerance
 from megatron.bridge.training.callbacks import (
     Callback,
     CallbackManager,
@@ -29,22 +29,27 @@ from megatron.bridge.training.config import (
     is_enabled,
     runtime_config_update,
 )
-from megatron.bridge.training.config_validation import require_tokenizer
-from megatron.bridge.training.device_health import check_device_health
+from megatron.bridge.training.config_checks.container import require_tokenizer
 from megatron.bridge.training.eval import evaluate
-from megatron.bridge.training.event_recorder import EventRecorder
+from megatron.bridge.training.events import job_info
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.goodput import ENTRY as GOODPUT_ENTRY
+from megatron.bridge.training.events.goodput import GoodputCallback, GoodputTracker
+from megatron.bridge.training.events.metrics import MetricsWriter
+from megatron.bridge.training.events.recorder import EventRecorder
 from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, TrainingExit
-from megatron.bridge.training.fault_injection import StepFaults
 from megatron.bridge.training.fault_tolerance import FaultToleranceCallback
-from megatron.bridge.training.garbage_collection import GarbageCollectionCallback
-from megatron.bridge.training.goodput import ENTRY as GOODPUT_ENTRY
-from megatron.bridge.training.goodput import GoodputCallback, GoodputTracker
-from megatron.bridge.training.hang_attribution import (
+from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.training.faults.injection import StepFaults
+from megatron.bridge.training.health.device import check_device_health
+from megatron.bridge.training.health.hang_attribution import (
     HangWatch,
     HangWatchCallback,
     attempt_name,
     summarize_earlier_attempts,
 )
+from megatron.bridge.training.health.liveness import LivenessCallback, LivenessPing
+from megatron.bridge.training.health.rerun import RerunController, check_losses
 from megatron.bridge.training.initialize import (
     abort_distributed,
     destroy_distributed,
@@ -59,13 +64,11 @@ from megatron.bridge.training.inprocess_restart import (
     maybe_wrap_for_inprocess_restart,
     run_wrapped,
 )
-from megatron.bridge.training.liveness import LivenessCallback, LivenessPing
-from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import NVRxStragglerDetectionManager, StragglerCallback
-from megatron.bridge.training.optimizer import build_optimizer, build_scheduler
-from megatron.bridge.training.rerun import RerunController, check_losses
+from megatron.bridge.training.optim import build_optimizer, build_scheduler
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.train import TrainContext, train
+from megatron.bridge.training.utils.garbage_collection import GarbageCollectionCallback
 from megatron.bridge.training.utils.overrides import apply_overrides
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler
 from megatron.bridge.training.utils.train_utils import prepare_forward_step_func

@@ -3,7 +3,7 @@
 The loop's features are callbacks on the same events user callbacks get (``callbacks.py``), run before the user's
 in this order: goodput, the event stream, fault tolerance, hang attribution, fault injection, liveness ping,
 straggler detection, garbage collection (``pretrain.py`` registers them). ``on_train_start``: garbage collection
-freezes what set-up built (``garbage_collection.py``). One iteration:
+freezes what set-up built (``utils/garbage_collection.py``). One iteration:
 
 1. ``on_train_step_start``: goodput (the first step ends this attempt's start-up); fault tolerance opens the
    ``step`` section and hang attribution watches it (this rank's stacks are written if it stays open too long);
@@ -43,23 +43,23 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training import eval as evaluation
-from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import CallbackManager, fire_event
 from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
 from megatron.bridge.training.checkpointing import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.goodput import GoodputTracker
+from megatron.bridge.training.events.metrics import MetricsWriter
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.garbage_collection import maybe_run_manual_gc  # noqa: F401 - Megatron-Bridge's name
-from megatron.bridge.training.goodput import GoodputTracker
+from megatron.bridge.training.health.rerun import RerunController, StepVerdict
 from megatron.bridge.training.losses import reduce_losses
-from megatron.bridge.training.metrics import MetricsWriter
 from megatron.bridge.training.nvrx_straggler import (
     NVRxStragglerDetectionManager,
     check_nvrx_straggler_detection,  # noqa: F401 - Megatron-Bridge's train.py offers it too
 )
-from megatron.bridge.training.rerun import RerunController, StepVerdict
 from megatron.bridge.training.state import GlobalState, TrainState
+from megatron.bridge.training.utils.garbage_collection import maybe_run_manual_gc  # noqa: F401 - Megatron-Bridge's name
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, StopDeadline
 
 logger = logging.getLogger(__name__)

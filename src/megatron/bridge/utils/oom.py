@@ -20,7 +20,7 @@ Counters of the worker's own memory cgroup (v1 ``memory.oom_control``'s ``oom_ki
 used: the worker's cgroup can no longer be read from ``/proc/<pid>`` once it is dead, and in cgroup v1 a kill in a
 child cgroup is not counted in its parent's ``oom_kill``.
 
-:func:`message` is the log line; the launchers (``megatron.bridge.launch``, and ``launcher_events.py`` under
+:func:`message` is the log line; the launchers (``megatron.bridge.launch``, and ``training/events/launcher.py`` under
 ``megatron.bridge.ft_launch --event-dir``) write it, the latter with a ``fault_detected`` event (``out_of_memory``).
 """
 

@@ -162,7 +162,7 @@ def _rerun_state(attr: str) -> Symbol:
     return Symbol(
         f"{_RSM}:RerunStateMachine.{attr}",
         "state",
-        "rerun.py: exported to and restored from checkpoints, read to drive the controller",
+        "health/rerun.py: exported to and restored from checkpoints, read to drive the controller",
     )
 
 
@@ -193,18 +193,18 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         f"{_RSM}:RerunStateMachine._reduce_any",
         "override",
-        "rerun.py: the machine's per-step all-reduce also carries the training loop's per-step flags",
+        "health/rerun.py: the machine's per-step all-reduce also carries the training loop's per-step flags",
     ),
     Symbol(
         f"{_RSM}:RerunStateMachine._maybe_report_stats",
         "override",
-        "rerun.py: upstream's determinism-stats report reads caller fields that do not exist",
+        "health/rerun.py: upstream's determinism-stats report reads caller fields that do not exist",
     ),
-    Symbol(f"{_RSM}:RerunStateMachine.REPORTING_INTERVAL_ITERATIONS", "read", "rerun.py: when to report stats"),
-    Symbol(f"{_RSM}:Call", "call", "rerun.py: rebuild the failed validation call from a checkpoint"),
-    Symbol(f"{_RSM}:Caller", "call", "rerun.py: rebuild the failed validation call from a checkpoint"),
-    Symbol(f"{_RSM}:QuickStats.combine", "call", "rerun.py: merge every rank's determinism stats"),
-    Symbol(f"{_RSM}:QuickStats.print_stats", "call", "rerun.py: log the merged determinism stats"),
+    Symbol(f"{_RSM}:RerunStateMachine.REPORTING_INTERVAL_ITERATIONS", "read", "health/rerun.py: when to report stats"),
+    Symbol(f"{_RSM}:Call", "call", "health/rerun.py: rebuild the failed validation call from a checkpoint"),
+    Symbol(f"{_RSM}:Caller", "call", "health/rerun.py: rebuild the failed validation call from a checkpoint"),
+    Symbol(f"{_RSM}:QuickStats.combine", "call", "health/rerun.py: merge every rank's determinism stats"),
+    Symbol(f"{_RSM}:QuickStats.print_stats", "call", "health/rerun.py: log the merged determinism stats"),
     *(
         _rerun_state(attr)
         for attr in (
@@ -227,7 +227,9 @@ SYMBOLS: tuple[Symbol, ...] = (
         )
     ),
     *(
-        Symbol(f"{_RSM}:RerunErrorInjector.{attr}", "state", "rerun.py: exported to and restored from checkpoints")
+        Symbol(
+            f"{_RSM}:RerunErrorInjector.{attr}", "state", "health/rerun.py: exported to and restored from checkpoints"
+        )
         for attr in ("error_injection_rate", "error_injection_type", "injected_error_type")
     ),
     *(
@@ -353,7 +355,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         when=NVRX_OWN_ELASTIC,
     ),
     *(
-        Symbol(f"{_FT_AGENT}.{method}", "patch", f"launcher_events.py: {why} (observed, then upstream's runs)")
+        Symbol(f"{_FT_AGENT}.{method}", "patch", f"training/events/launcher.py: {why} (observed, then upstream's runs)")
         for method, why in (
             ("_monitor_workers", "worker exits and their codes or signals (also ft_launch.py: the job's exit code)"),
             ("_restart_workers", "when an in-job restart begins"),
@@ -364,15 +366,15 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         f"{_FT_AGENT}._remaining_restarts",
         "state",
-        "launcher_events.py: the in-job restart count; ft_launch.py: no restart after a worker's stop code",
+        "training/events/launcher.py: the in-job restart count; ft_launch.py: no restart after a worker's stop code",
     ),
     Symbol(
         f"{_RANK_MONITOR}._handle_timeout",
         "patch",
-        "launcher_events.py: which timeout a rank monitor acts on, before it kills the rank",
+        "training/events/launcher.py: which timeout a rank monitor acts on, before it kills the rank",
     ),
     *(
-        Symbol(f"{_RANK_MONITOR}.{attr}", "state", "launcher_events.py: the rank monitor's timeout state")
+        Symbol(f"{_RANK_MONITOR}.{attr}", "state", "training/events/launcher.py: the rank monitor's timeout state")
         for attr in ("rank_info", "open_sections", "out_of_section_time", "last_hb_time", "start_time", "cfg")
     ),
     Symbol(
@@ -390,7 +392,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(
         "nvidia_resiliency_ext.fault_tolerance.rank_monitor_client:RankMonitorClient._set_calculated_timeouts",
         "call",
-        "fault_tolerance_client.py: hang timeouts kept above inprocess_restart.hard_timeout (the outer layer)",
+        "health/rank_monitor_client.py: hang timeouts kept above inprocess_restart.hard_timeout (the outer layer)",
     ),
     _torch_global(
         "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager", "torch.cuda.synchronize after a save"

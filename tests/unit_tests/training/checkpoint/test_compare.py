@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron.bridge.training.checkpoint import compare
-from megatron.bridge.training.rng import rng_blob_length, rng_blob_to_tensor, serialize_rng_state
+from megatron.bridge.training.checkpoint.rng import rng_blob_length, rng_blob_to_tensor, serialize_rng_state
 
 MODEL_NUMEL = 12
 

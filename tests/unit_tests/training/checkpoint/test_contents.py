@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from megatron.bridge.training.checkpoint import contents
-from megatron.bridge.training.rng import get_rng_state, rng_blob_length, rng_blob_to_tensor, serialize_rng_state
+from megatron.bridge.training.checkpoint.rng import (
+    get_rng_state,
+    rng_blob_length,
+    rng_blob_to_tensor,
+    serialize_rng_state,
+)
 from megatron.bridge.training.state import TrainState
 
 

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from megatron.bridge.training import fault_injection
 from megatron.bridge.training.checkpoint import layout, manifest
+from megatron.bridge.training.faults import injection as fault_injection
 
 
 def _fake_save(root: str, iteration: int, payload: bytes) -> None:

@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from megatron.bridge.training import checkpointing
-from megatron.bridge.training.checkpoint.state_dict import (
-    delete_extra_state,
-    generate_state_dict,
-    safe_rng_state,
-)
-from megatron.bridge.training.config import CheckpointConfig
-from megatron.bridge.training.rng import (
+from megatron.bridge.training.checkpoint.rng import (
     rng_blob_length,
     rng_blob_to_tensor,
     rng_state_from_tensor,
     serialize_rng_state,
     set_rng_state,
 )
+from megatron.bridge.training.checkpoint.state_dict import (
+    delete_extra_state,
+    generate_state_dict,
+    safe_rng_state,
+)
+from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.state import TrainState
 
 

@@ -44,7 +44,7 @@ MASTER_WEIGHTS = ("param", "fp32_param", "master_param")
 _STAGE = re.compile(r"dp_group_idx_\d+")
 """The distributed optimizer's key of one model-parallel rank's state (one pipeline stage here)."""
 _RNG_HEADER = 8
-"""Bytes of the length header in front of each rank's serialized generators (``training/rng.py``)."""
+"""Bytes of the length header in front of each rank's serialized generators (``training/checkpoint/rng.py``)."""
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -247,7 +247,7 @@ def _same(va: Any, vb: Any) -> bool:
 
 def _rng_difference(key: str, va: torch.Tensor, vb: torch.Tensor) -> str:
     """Which ranks' generators differ (each rank's row of ``rng_state``), and which of their generators."""
-    from megatron.bridge.training.rng import rng_state_from_tensor
+    from megatron.bridge.training.checkpoint.rng import rng_state_from_tensor
 
     ranks = []
     for rank in range(va.shape[0]):

@@ -14,10 +14,7 @@ import torch
 
 from megatron.bridge.models.distributed import unwrap
 from megatron.bridge.training.checkpoint import manifest, optimizer_state
-from megatron.bridge.training.checkpoint.state_dict import generate_state_dict, safe_rng_state
-from megatron.bridge.training.config import CheckpointConfig
-from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
-from megatron.bridge.training.rng import (
+from megatron.bridge.training.checkpoint.rng import (
     get_rng_state,
     restore_rng_state,
     rng_blob_length,
@@ -26,6 +23,9 @@ from megatron.bridge.training.rng import (
     serialize_rng_state,
     set_rng_state,
 )
+from megatron.bridge.training.checkpoint.state_dict import generate_state_dict, safe_rng_state
+from megatron.bridge.training.config import CheckpointConfig
+from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.state import TrainState
 from megatron.bridge.utils.cpu_shims import training_on_cpu
 from megatron.bridge.utils.dist import all_gather_object, rank, world_size

@@ -31,7 +31,7 @@ The tracker is what this package loads by; ``latest_train_state.pt`` is kept for
 first.
 
 For fault drills, :func:`crash_point` marks each step: a ``save.<point>`` fault of the fault-injection registry
-(``training/fault_injection.py``, e.g. ``kill@6:0:save.after_rename``) kills, stops or stalls the process there.
+(``training/faults/injection.py``, e.g. ``kill@6:0:save.after_rename``) kills, stops or stalls the process there.
 """
 
 import io
@@ -44,7 +44,6 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.bridge.training import fault_injection
 from megatron.bridge.training.checkpoint.names import (
     TRACKER_FILE,
     TRACKER_PREFIX,
@@ -53,6 +52,7 @@ from megatron.bridge.training.checkpoint.names import (
     get_checkpoint_tracker_filename,
     get_checkpoint_train_state_filename,
 )
+from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.utils import fs
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ before the shard leaves it, and the hashes travel inside the shard. On load, eve
 from disk *before* sending it to a peer, and each rank verifies the shard it ends up with again after the exchange.
 If any rank finds a problem, all ranks agree to discard this local checkpoint (its files are deleted) and the caller
 loads the global one; the log names the bad shard and where it was read, and every rank writes a ``fault_detected``
-event (mechanism ``local_checkpoint_hash``, ``event_stream.py``).
+event (mechanism ``local_checkpoint_hash``, ``events/stream.py``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training import event_stream, fault_injection
 from megatron.bridge.training.checkpoint import snapshot_writer, storage
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism
+from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.utils import dist as dist_utils
 from megatron.bridge.utils import upstream
 

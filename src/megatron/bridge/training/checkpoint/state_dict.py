@@ -153,7 +153,7 @@ def _get_train_state_from_state_dict(state_dict: dict[str, Any]) -> TrainState:
 
 
 def safe_rng_state(generator_states: dict[str, Any]) -> dict[str, Any]:
-    """``checkpointing.get_rng_state``'s states of one rank as tensors and plain values (``training/rng.py``'s form).
+    """One rank's ``checkpointing.get_rng_state`` states as tensors and plain values (``checkpoint/rng.py``'s form).
 
     That form loads with ``torch.load(weights_only=True)``: a checkpoint's RNG states never unpickle arbitrary
     objects. The CUDA state is kept when it was collected.

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Optional
 
 from torch.distributed.checkpoint import CheckpointException
 
-from megatron.bridge.training import event_stream
 from megatron.bridge.training.checkpoint import layout, manifest, storage
 from megatron.bridge.training.checkpoint.storage import StorageFault, human
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils.dist import RankZeroError, all_gather_object, on_rank0, rank
 

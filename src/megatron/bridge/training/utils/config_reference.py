@@ -2,7 +2,8 @@
 
 ``python -m megatron.bridge.training.utils.config_reference [PATH]`` rewrites the generated part of
 ``docs/training/config-reference.md`` (between the two markers); a unit test checks that the committed page is what
-this renders, so the page cannot drift from the code. A field's status comes from ``field_support.py``: honoured,
+this renders, so the page cannot drift from the code. A field's status comes from ``config_checks/field_support.py``:
+honoured,
 refused unless left at its default, or accepted without effect (it configures only a refused feature).
 """
 
@@ -14,7 +15,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron.bridge.training import field_support
+from megatron.bridge.training.config_checks import field_support
 from megatron.bridge.utils.fields import describe, hints, union_args
 
 BEGIN = "<!-- BEGIN GENERATED: python -m megatron.bridge.training.utils.config_reference -->"

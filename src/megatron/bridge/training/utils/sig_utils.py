@@ -28,8 +28,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron.bridge.training import event_stream
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind
 
 if TYPE_CHECKING:
     import torch

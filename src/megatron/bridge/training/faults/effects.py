@@ -1,6 +1,6 @@
 """What some injected faults do to the process or its storage, once the registry says one is due.
 
-The registry (``fault_injection.py``) decides when; this fills a file system, allocates memory until the kernel kills
+The registry (``faults/injection.py``) decides when; this fills a file system, allocates memory until the kernel kills
 the process, moves the wall clock, and finds the processes a rank started. Kept apart so that the registry reads as
 the list of faults and when they strike.
 """
@@ -12,7 +12,7 @@ import time
 
 from megatron.bridge.utils import oom
 
-logger = logging.getLogger("megatron.bridge.training.fault_injection")  # the drills look for these lines there
+logger = logging.getLogger("megatron.bridge.training.faults.injection")  # the drills look for these lines there
 
 FILL_FILE = "mbridge-fill.bin"
 """The file a ``fill`` fault fills a checkpoint directory's file system with (delete it to free the space)."""

@@ -2,7 +2,7 @@
 
 The problem: what a training attempt did (when it started, which steps it completed, what each save and load cost,
 how it ended) was known only from log lines. :class:`EventRecorder` is the loop's feature that writes it as typed
-events (``event_stream.py``): a callback for the loop's events (``on_train_step_end``, ``on_checkpoint_save_start``/
+events (``events/stream.py``): a callback for the loop's events (``on_train_step_end``, ``on_checkpoint_save_start``/
 ``_end``, ``on_checkpoint_save``, ``on_checkpoint_load``) plus three calls ``pretrain`` makes where the loop has no
 event: :meth:`attempt_started`, :meth:`load_begins` (to time the load) and :meth:`exited`.
 
@@ -16,9 +16,9 @@ import os
 import time
 from typing import Any, Optional
 
-from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
-from megatron.bridge.training.event_stream import EventKind
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind
 
 
 def directory_bytes(path: str, prefix: str = "") -> Optional[int]:

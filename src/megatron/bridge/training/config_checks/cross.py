@@ -1,4 +1,4 @@
-"""Checks across config sections that ``ConfigContainer.validate()`` runs besides ``config_validation.py``'s.
+"""Checks across config sections that ``ConfigContainer.validate()`` runs besides ``config_checks/container.py``'s.
 
 - :func:`validate_schedule`: the learning-rate and weight-decay schedules against the run's length, in
   Megatron-Bridge's units (iterations or samples), filling in their lengths in samples.
@@ -7,7 +7,7 @@
   ``_validate_mixed_precision_consistency``, which ``config.py`` exports under that name).
 
 Failures are :class:`~megatron.bridge.utils.fields.ConfigError` naming the field and the fix; where Megatron-Bridge
-checks the same condition, the message repeats its wording. Like ``config_validation.py``, this module imports
+checks the same condition, the message repeats its wording. Like ``config_checks/container.py``, this module imports
 nothing from ``config.py`` at run time.
 """
 

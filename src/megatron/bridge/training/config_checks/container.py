@@ -2,8 +2,9 @@
 
 Every failure is a ``ValueError`` of the form ``"<field>: <problem>. Fix: <fix>."`` so that a user reading
 the log knows which dotted override to change and how. First the fields themselves (types, misspelt attributes,
-fields this framework refuses: ``field_support.py``), then each section and the combinations; the resiliency
-sections are checked in ``resiliency_validation.py``. As in Megatron-Bridge, validation also fills the fields
+fields this framework refuses: ``config_checks/field_support.py``), then each section and the combinations; the
+resiliency
+sections are checked in ``config_checks/resiliency.py``. As in Megatron-Bridge, validation also fills the fields
 derived from others (``train.global_batch_size``, ``train.train_iters`` from ``train.train_samples``, the
 scheduler's step counts, ``model.vocab_size`` from the tokenizer) and finalizes the model and dataset configs.
 
@@ -25,11 +26,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron.bridge.training.checkpoint.validation import validate_checkpoint
-from megatron.bridge.training.cross_checks import validate_evaluation_batches, validate_schedule
-from megatron.bridge.training.event_stream import directory_problem, resolve_directory
-from megatron.bridge.training.field_support import refused_fields
-from megatron.bridge.training.resiliency_validation import validate_resiliency
+from megatron.bridge.training.config_checks.checkpoint import validate_checkpoint
+from megatron.bridge.training.config_checks.cross import validate_evaluation_batches, validate_schedule
+from megatron.bridge.training.config_checks.field_support import refused_fields
+from megatron.bridge.training.config_checks.resiliency import validate_resiliency
+from megatron.bridge.training.events.stream import directory_problem, resolve_directory
 from megatron.bridge.utils.fields import ConfigError, field_problems
 from megatron.bridge.utils.fields import fail as _fail
 

@@ -1,7 +1,8 @@
 """The checks each config section runs on itself: what its ``finalize()`` does (``config.py``).
 
 As in Megatron-Bridge, every section that can check itself alone has a ``finalize()``; ``ConfigContainer.validate()``
-calls them all (then the checks across sections in ``config_validation.py``), and a caller may call one on its own.
+calls them all (then the checks across sections in ``config_checks/container.py``), and a caller may call one on its
+own.
 A failure is a :class:`~megatron.bridge.utils.fields.ConfigError` (a ``ValueError`` and an ``AssertionError``) of the
 form ``"<field>: <problem>. Fix: <fix>."``; where Megatron-Bridge checks the same condition, the problem repeats its
 wording, so a log or a test written for Megatron-Bridge still finds it. Calling a ``finalize()`` twice changes

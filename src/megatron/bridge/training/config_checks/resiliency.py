@@ -1,4 +1,4 @@
-"""The checks behind :meth:`ConfigContainer.validate` for the resiliency sections (``resiliency_config.py``).
+"""The checks behind :meth:`ConfigContainer.validate` for the resiliency sections (``config_sections/resiliency.py``).
 
 Fault tolerance, straggler detection, the re-run state machine, in-process restart, health checks and fault
 injection: each failure is a ``ValueError`` naming the field and the fix (``utils.fields.fail``). Called by
@@ -12,7 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from megatron.bridge.training import fault_injection
+from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.utils.fields import fail as _fail
 
 if TYPE_CHECKING:

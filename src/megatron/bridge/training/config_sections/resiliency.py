@@ -34,7 +34,7 @@ class FaultToleranceConfig:
 @named_fields
 @dataclass
 class FaultInjectionConfig:
-    """Real faults on demand, for tests and drills (``training/fault_injection.py`` documents the spec)."""
+    """Real faults on demand, for tests and drills (``training/faults/injection.py`` documents the spec)."""
 
     faults: str = ""
     """Comma-separated faults ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.

@@ -3,7 +3,7 @@
 The problem: only ft_launcher knows when a worker died and how (exit code or signal), when it decided to restart
 the workers, how long stopping them took, when the new ones were running, and (in its rank monitors, processes it
 forks) which section of which rank timed out. It says so in log lines whose wording changes between releases. Here
-those facts become typed events (``training/event_stream.py``) in ``events-launcher-<host>.jsonl`` of the job's
+those facts become typed events (``training/events/stream.py``) in ``events-launcher-<host>.jsonl`` of the job's
 event directory, next to the ranks' own files:
 
 * ``worker_exited`` for every worker exit the agent sees (once per worker process), and ``fault_detected``
@@ -29,7 +29,7 @@ import signal
 import time
 from typing import Any, Optional
 
-from megatron.bridge.training.event_stream import (
+from megatron.bridge.training.events.stream import (
     EventKind,
     EventWriter,
     Mechanism,

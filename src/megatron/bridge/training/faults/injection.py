@@ -65,7 +65,7 @@ both apply (the environment's faults are added to the config's).
 The ledger is a file of JSON lines shared by every attempt: a rank appends the fault (its spec, kind, iteration,
 rank, phase, wall-clock time, pid, restart count) just before striking, and later attempts skip what it lists, so a
 schedule can span restarts. It decides what is still due; reports read when each fault struck from the
-``fault_injected`` events every strike writes to the event stream (``event_stream.py``, ledger or not).
+``fault_injected`` events every strike writes to the event stream (``events/stream.py``, ledger or not).
 
 A malformed item or an unknown kind is a ``ValueError`` naming the item, the bad part and the expected form (an item
 given twice in one spec, too); the config's ``validate()`` checks both sources before anything starts.
@@ -83,10 +83,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron.bridge.training import event_stream, fault_effects
 from megatron.bridge.training.callbacks import Callback
-from megatron.bridge.training.event_stream import EventKind
-from megatron.bridge.training.fault_effects import FILL_FILE, FILL_LEAVES  # noqa: F401 - part of this API
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind
+from megatron.bridge.training.faults import effects as fault_effects
+from megatron.bridge.training.faults.effects import FILL_FILE, FILL_LEAVES  # noqa: F401 - part of this API
 
 if TYPE_CHECKING:  # no import at run time: config.py's validate() parses fault specs with this module
     from megatron.bridge.training.config import FaultInjectionConfig
@@ -339,7 +340,7 @@ class FaultRegistry:
     def record(self, fault: Fault) -> None:
         """``fault`` is about to strike: no longer due in this attempt (unless ``always``); in the ledger, durably.
 
-        Also a ``fault_injected`` event (``event_stream.py``), with or without a ledger: when it struck, for reports.
+        Also a ``fault_injected`` event (``events/stream.py``), with or without a ledger: when it struck, for reports.
         """
         if not fault.always and fault in self._due:
             self._due.remove(fault)

@@ -25,10 +25,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training import event_stream
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import HealthConfig
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils import upstream
 

@@ -19,7 +19,8 @@ What happens next depends on ``rerun_state_machine.rerun_mode``:
 The train loop drives a :class:`RerunController` at three moments: :meth:`~RerunController.passes` around the
 forward-backward passes, :meth:`~RerunController.end_step` before the optimizer step, and
 :meth:`~RerunController.export_state` / :meth:`~RerunController.import_state` with checkpoints. A rank whose loss
-fails a check writes a ``fault_detected`` event (``rerun_nan``, ``rerun_spike``, or ``nan_guard``: ``event_stream.py``).
+fails a check writes a ``fault_detected`` event (``rerun_nan``, ``rerun_spike``, or ``nan_guard``:
+``events/stream.py``).
 """
 
 import functools
@@ -33,12 +34,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training import event_stream, losses
+from megatron.bridge.training import losses
 from megatron.bridge.training.checkpoint import layout
+from megatron.bridge.training.checkpoint.rng import restore_rng_state, snapshot_rng_state
 from megatron.bridge.training.config import RerunStateMachineConfig
-from megatron.bridge.training.event_stream import EventKind, Mechanism
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
-from megatron.bridge.training.rng import restore_rng_state, snapshot_rng_state
 from megatron.bridge.utils import upstream
 from megatron.bridge.utils.dist import on_rank0
 from megatron.bridge.utils.fs import atomic_write_json
