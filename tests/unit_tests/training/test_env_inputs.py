@@ -2,7 +2,10 @@
 
 The validation modules are parsed (``ast``): every ``os.environ`` / ``os.getenv`` read must name its variable with a
 string, a module constant, or a loop variable over a module constant (a dict's keys, a tuple's items), and that
-name must be listed. The documented table (``docs/training/config-reference.md``) must list the same names.
+name must be listed. A launch variable read through :mod:`megatron.bridge.utils.launch_env` counts too:
+``launch_env.current().<attribute>``, or ``<name> = launch_env.current()`` and then ``<name>.<attribute>`` in the same
+function, reads the variables ``launch_env.VARIABLES`` gives for that attribute. The documented table
+(``docs/training/config-reference.md``) must list the same names.
 """
 
 import ast
@@ -15,6 +18,7 @@ from typing import Any, Optional
 import pytest
 
 from megatron.bridge.training.config_checks.env_inputs import ENV_INPUTS, NAMES
+from megatron.bridge.utils import launch_env
 
 VALIDATION_MODULES = (
     "megatron.bridge.training.config",
@@ -75,6 +79,38 @@ def _keys(key: ast.expr, parents: dict, namespace: dict[str, Any]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
+def _is_launch_env_call(node: ast.AST) -> bool:
+    """Whether ``node`` is ``launch_env.current(...)``."""
+    return isinstance(node, ast.Call) and _is_attr_of(node.func, "launch_env", "current")
+
+
+def _is_attr_of(node: ast.AST, owner: str, name: str) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == name and getattr(node.value, "id", None) == owner
+
+
+def _launch_reads(module_name: str, call: ast.Call, parents: dict) -> list[tuple[int, str]]:
+    """``(line, variable)`` for what the code does with one ``launch_env.current()``; fails on any other use."""
+    use = parents.get(call)
+    if isinstance(use, ast.Attribute) and use.attr in launch_env.VARIABLES:
+        return [(use.lineno, name) for name in launch_env.VARIABLES[use.attr]]
+    targets = getattr(use, "targets", None)
+    assert isinstance(use, ast.Assign) and len(targets) == 1 and isinstance(targets[0], ast.Name), (
+        f"{module_name}:{call.lineno}: `{ast.unparse(use)}`: read a LaunchEnv attribute, or name it and read those"
+    )
+    scope = use
+    while scope in parents and not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        scope = parents[scope]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Name) and node.id == targets[0].id and isinstance(node.ctx, ast.Load):
+            attr = parents.get(node)
+            assert isinstance(attr, ast.Attribute) and attr.attr in launch_env.VARIABLES, (
+                f"{module_name}:{node.lineno}: `{ast.unparse(attr)}` uses the launch environment whole"
+            )
+            found += [(attr.lineno, name) for name in launch_env.VARIABLES[attr.attr]]
+    return found
+
+
 def environment_reads(module_name: str) -> list[tuple[int, str]]:
     """``(line, variable)`` for every environment read in ``module_name``; fails on a read it cannot resolve."""
     module = importlib.import_module(module_name)
@@ -82,6 +118,10 @@ def environment_reads(module_name: str) -> list[tuple[int, str]]:
     parents, namespace = _parents(tree), vars(module)
     reads: list[tuple[int, str]] = []
     for node in ast.walk(tree):
+        if _is_launch_env_call(node):
+            reads += _launch_reads(module_name, node, parents)
+        if isinstance(node, ast.ImportFrom) and node.module == launch_env.__name__:
+            raise AssertionError(f"{module_name}:{node.lineno}: import launch_env and call launch_env.current()")
         if isinstance(node, ast.ImportFrom) and node.module == "os":
             imported = {alias.name for alias in node.names} & {"environ", "getenv", "environb", "getenvb"}
             assert not imported, f"{module_name}:{node.lineno}: import os and read os.environ (checked here)"
@@ -161,3 +201,25 @@ def test_an_unlisted_read_is_caught(tmp_path, monkeypatch):
     (tmp_path / "probe_env_param.py").write_text("import os\ndef f(k):\n    return os.getenv(k)\n")
     with pytest.raises(AssertionError, match="cannot tell which variable `k` names"):
         environment_reads("probe_env_param")
+
+
+@pytest.mark.timeout(60)
+def test_a_read_through_launch_env_is_found(tmp_path, monkeypatch):
+    source = (
+        "from megatron.bridge.utils import launch_env\n"
+        "def check():\n"
+        "    launch = launch_env.current()\n"
+        "    return launch.rank, launch.master_endpoint(), launch_env.current().job_id\n"
+    )
+    (tmp_path / "probe_launch_module.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = sorted(name for _, name in environment_reads("probe_launch_module"))
+    assert names == ["MASTER_ADDR", "MASTER_PORT", "RANK", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"]
+    whole = "from megatron.bridge.utils import launch_env\ndef f():\n    return launch_env.current()\n"
+    (tmp_path / "probe_launch_whole.py").write_text(whole)
+    with pytest.raises(AssertionError, match="read a LaunchEnv attribute"):
+        environment_reads("probe_launch_whole")
+    passed = "from megatron.bridge.utils import launch_env\ndef f(g):\n    e = launch_env.current()\n    return g(e)\n"
+    (tmp_path / "probe_launch_passed.py").write_text(passed)
+    with pytest.raises(AssertionError, match="uses the launch environment whole"):
+        environment_reads("probe_launch_passed")

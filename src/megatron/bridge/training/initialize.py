@@ -15,14 +15,14 @@ from megatron.bridge.training.config_checks.container import check_precision_on_
 from megatron.bridge.training.config_sections.resiliency import INPROCESS_COORDINATION_PORT_OFFSET
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.health.device import resolve_device
-from megatron.bridge.utils import upstream
+from megatron.bridge.utils import launch_env, upstream
 
 logger = logging.getLogger(__name__)
 
 
 def setup_logging(level: int) -> None:
     """Log ``megatron.bridge`` records with the rank in every line; quiet noisy upstream loggers."""
-    rank = os.environ.get("RANK", "0")
+    rank = launch_env.current().rank
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
@@ -42,11 +42,12 @@ def select_device(local_rank: Optional[int] = None, requested: str = "auto") -> 
         TrainingExit: ``DEVICE_UNHEALTHY`` (``dist.device=cuda`` without a GPU, or an unusable GPU).
     """
     global _logged_device
+    launch = launch_env.current()
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = launch.local_rank
     device = resolve_device(requested, local_rank)
     if device.type == "cpu":
-        bind_cpu_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        bind_cpu_cores(local_rank, launch.ranks_per_node)
     if _logged_device != (requested, device):
         logger.info("device: %s (dist.device=%s)", device, requested)
         _logged_device = (requested, device)
@@ -114,7 +115,8 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
     device, backend = prepare_device(cfg)
     timeout = datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if not dist.is_initialized() and store is not None:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        launch = launch_env.current()  # this iteration's numbering (in-process restart renumbers the ranks)
+        rank, world_size = launch.rank, launch.world_size
         dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
     elif not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
@@ -181,7 +183,7 @@ def abort_distributed() -> None:
             if dist.get_backend() == "gloo":
                 from megatron.bridge.utils.cpu_shims import shutdown_gloo_connections
 
-                port = int(os.environ.get("MASTER_PORT", "0"))
+                port = launch_env.current().master_port or 0
                 keep = {port, port + INPROCESS_COORDINATION_PORT_OFFSET, port + INPROCESS_STORE_PORT_OFFSET}
                 shutdown_gloo_connections(keep_ports=keep)
             upstream.abort_process_groups()

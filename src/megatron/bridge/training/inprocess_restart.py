@@ -57,6 +57,8 @@ from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind, RestartLayer
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.health.device import visible_gpu
+from megatron.bridge.utils import launch_env
+from megatron.bridge.utils.fields import is_enabled
 from megatron.bridge.utils.optional_imports import require
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ def begin_iteration(call_wrapper: Any, store: Optional[dist.Store], cfg: InProce
         store_timeout=_seconds(cfg.soft_timeout),
     )
     _running["iteration"] = restart
+    launch = launch_env.current()  # as the wrapper numbered the ranks for this iteration
     if restart.iteration > 0:
         event_stream.emit(EventKind.RESTART_ENDED, layer=RestartLayer.IN_PROCESS, inprocess_iteration=restart.iteration)
     logger.log(
@@ -138,8 +141,8 @@ def begin_iteration(call_wrapper: Any, store: Optional[dist.Store], cfg: InProce
         "in-process restart: iteration %d starts in pid %d as rank %s of %s",
         restart.iteration,
         os.getpid(),
-        os.environ.get("RANK"),
-        os.environ.get("WORLD_SIZE"),
+        launch.rank,
+        launch.world_size,
     )
     return restart
 
@@ -181,13 +184,15 @@ def maybe_wrap_for_inprocess_restart(
     ``WORLD_SIZE`` ranks, reserves included, made before the wrapper renumbers the ranks (a rank renumbered 0 later
     must not host a second one); every restart iteration builds its process groups on it under its own prefix.
     """
-    if config is None or not config.enabled:
+    if not is_enabled(config):
         return train_fn, None
+    launch = launch_env.current()
+    master_addr, master_port = launch.master_endpoint()
     store = torch.distributed.TCPStore(
-        host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]) + INPROCESS_COORDINATION_PORT_OFFSET,
-        world_size=int(os.getenv("WORLD_SIZE", "1")),
-        is_master=int(os.getenv("RANK", "0")) == 0,
+        host_name=master_addr,
+        port=master_port + INPROCESS_COORDINATION_PORT_OFFSET,
+        world_size=launch.world_size,
+        is_master=launch.rank == 0,
         timeout=COORDINATION_STORE_TIMEOUT,
         wait_for_workers=True,
         use_libuv=True,
@@ -299,8 +304,9 @@ def build_wrapper(
         """
 
         def __init__(self, **kwargs: Any) -> None:
-            if int(os.environ["RANK"]) != self.TCP_STORE_HOST_RANK:
-                host = kwargs.get("host_name") or os.environ["MASTER_ADDR"]
+            launch = launch_env.current()  # as the wrapper numbered the ranks
+            if launch.rank != self.TCP_STORE_HOST_RANK:
+                host = kwargs.get("host_name") or launch.master_endpoint()[0]
                 _wait_until_listening(host, int(kwargs["port"]), kwargs["timeout"].total_seconds())
             super().__init__(**kwargs)
 
@@ -315,9 +321,9 @@ def build_wrapper(
         inprocess.health_check.FaultCounter(max_rank_faults=cfg.max_rank_faults),
         inprocess.health_check.CudaHealthCheck(timeout=_seconds(10)),
     ]
-    initial_world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    active = cfg.active_world_size or initial_world_size
-    master_port = int(os.environ["MASTER_PORT"])
+    launch = launch_env.current()
+    active = cfg.active_world_size or launch.world_size
+    master_port = launch.store_port()
     wrapper = inprocess.Wrapper(
         store_factory=PromptTCPStore,
         store_kwargs={
@@ -371,15 +377,14 @@ def monitor_process_logfile(logdir: Optional[str]) -> Optional[str]:
     """
     if logdir is None:
         return None
-    slurm_rank = os.environ.get("SLURM_PROCID")
-    if slurm_rank is not None and int(slurm_rank) != 0:
+    launch = launch_env.current()
+    if launch.slurm_procid is not None and launch.slurm_procid != 0:
         return None
     os.makedirs(logdir, exist_ok=True)
-    if slurm_rank is None:
+    if launch.slurm_procid is None:
         name = "monitor_process_{rank}.log"
     else:
-        job, local = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_LOCALID")
-        name = f"monitor_{job}_{socket.gethostname()}_{slurm_rank}_{local}.log"
+        name = f"monitor_{launch.job_id}_{socket.gethostname()}_{launch.slurm_procid}_{launch.slurm_localid}.log"
     return os.path.join(os.path.abspath(logdir), name)
 
 
@@ -456,7 +461,7 @@ def _layers(inprocess: Any, cfg: InProcessRestartConfig, active: int) -> list[An
     layers = [ra.Layer(min_ranks=active, max_ranks=active, flag=ra.LayerFlag.RESERVE)]
     if cfg.granularity == "node":
         # Ranks per host: the launcher's count, else one per GPU.
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or torch.cuda.device_count() or 1)
+        per_node = launch_env.current().local_world_size or torch.cuda.device_count() or 1
         layers.append(
             ra.Layer(
                 min_ranks=per_node,

@@ -43,7 +43,7 @@ from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.utils import dist as dist_utils
-from megatron.bridge.utils import upstream
+from megatron.bridge.utils import launch_env, upstream
 
 if TYPE_CHECKING:
     from megatron.bridge.training.config import CheckpointConfig
@@ -566,7 +566,7 @@ def local_tier_of(cfg: CheckpointConfig, on_saved: Callable[[int], None]) -> Opt
 
     replication = None
     if cfg.replication:
-        jump = cfg.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # validate() checked both
+        jump = cfg.replication_jump or launch_env.current().ranks_per_node  # validate() checked both
         replication = (jump, cfg.replication_factor)
     assert cfg.non_persistent_local_ckpt_dir is not None, "validate() guarantees the local directory"
     return LocalTier(

@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.bridge.utils import launch_env
 from megatron.bridge.utils.orphans import die_with_parent, die_with_this_process
 
 logger = logging.getLogger(__name__)
@@ -422,7 +423,7 @@ def caller_class() -> type:
                     return str(err)
                 free = shm_free_bytes()
                 # Every rank of the node may allocate its slots at this same save: count them all.
-                node = needed * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                node = needed * launch_env.current().ranks_per_node
                 if needed and (free is None or free < node + SHM_HEADROOM_BYTES):
                     return (
                         f"{SHM_DIR} has {0 if free is None else free >> 20} MiB free, the node's snapshot slots need "

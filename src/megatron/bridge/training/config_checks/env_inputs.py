@@ -2,8 +2,11 @@
 
 ``ConfigContainer.validate()`` depends on the config and on these variables only (never on what CUDA reports: the
 device is ``dist.device``). Launchers (torchrun, ``python -m megatron.bridge.launch``, ft_launcher, srun through
-them) set most of them; the rest are set by the job script. The table in ``docs/training/config-reference.md``
-lists the same names, and a unit test fails on a validation module that reads a variable missing here.
+them) set most of them, and validation reads theirs through :func:`megatron.bridge.utils.launch_env.current`; the
+rest are set by the job script. The table in ``docs/training/config-reference.md`` lists the same names, and a unit
+test fails on a validation module that reads a variable missing here (directly or through ``launch_env``). A launch
+variable that validation does not use but that is malformed (``RANK=abc``) still fails it: ``current()`` checks them
+all.
 """
 
 ENV_INPUTS: tuple[tuple[str, str], ...] = (
