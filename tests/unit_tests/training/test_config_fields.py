@@ -3,6 +3,7 @@
 import dataclasses
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -10,11 +11,17 @@ from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training.config import (
     CheckpointConfig,
+    ConfigContainer,
+    FaultToleranceConfig,
+    InProcessRestartConfig,
     MockGPTDatasetConfig,
+    NVRxStragglerDetectionConfig,
+    ProfilingConfig,
     SchedulerConfig,
+    StragglerDetectionConfig,
     TokenizerConfig,
     TrainingConfig,
-    _with_sections,
+    is_enabled,
     runtime_config_update,
 )
 from megatron.bridge.training.config_checks import field_support
@@ -24,6 +31,27 @@ from megatron.bridge.training.utils import config_reference
 from megatron.bridge.training.utils.overrides import apply_overrides
 
 REFERENCE = Path(__file__).resolve().parents[3] / "docs" / "training" / "config-reference.md"
+
+
+@dataclasses.dataclass
+class _FaultToleranceWithNewField(FaultToleranceConfig):
+    """``FaultToleranceConfig`` with one field more, written as a contributor adds a field to a section."""
+
+    drill_budget: int = 3
+    """Faults a drill may inject before it stops. Later sentences stay off the page."""
+
+
+# The container with that section in place of ``ft``: the same class otherwise.
+_ContainerWithNewField = dataclasses.make_dataclass(
+    "_ContainerWithNewField",
+    [("ft", Optional[_FaultToleranceWithNewField], dataclasses.field(default=None))],
+    bases=(ConfigContainer,),
+    kw_only=True,
+)
+
+
+def _with_new_field(cfg: ConfigContainer) -> ConfigContainer:
+    return _ContainerWithNewField(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
 
 
 def _rejected(cfg, *fragments, world_size=2):
@@ -76,10 +104,9 @@ def test_a_field_that_cannot_be_honoured_is_refused_unless_at_its_default(overri
 
 
 def test_every_listed_field_exists_and_inert_fields_are_accepted():
-    cfg = _with_sections(base_config())  # optional sections at their defaults instead of None
     for dotted in [*field_support.REFUSED, *field_support.INERT]:
         section_name, _, name = dotted.rpartition(".")
-        section = getattr(cfg, section_name) if section_name else cfg
+        section = config_reference.section_class(section_name) if section_name else ConfigContainer
         declared = name in {f.name for f in dataclasses.fields(section)}
         assert declared or dotted in field_support.NEWER_UPSTREAM, dotted
     assert not set(field_support.REFUSED) & set(field_support.INERT)
@@ -275,3 +302,62 @@ def test_a_field_only_newer_upstream_declares_is_refused_there_and_skipped_befor
     cfg.dataset.inter_document_masking = True
     (refused,) = [f for f in field_support.refused_fields(cfg) if f[0] == "dataset.inter_document_masking"]
     assert refused[1:3] == (True, False) and "cu_seqlens" in refused[3]
+
+
+def test_a_field_added_to_a_section_needs_nothing_but_its_dataclass():
+    """The override parser, the type check and the reference page read the new field from the class alone."""
+    cfg = apply_overrides(_with_new_field(base_config()), ["ft.drill_budget=5"])
+    assert type(cfg.ft) is _FaultToleranceWithNewField and cfg.ft.drill_budget == 5  # the None section created
+    assert not is_enabled(cfg.ft)  # present, its switch at its default: off
+    with pytest.raises(ValueError, match=r"override 'ft.drill_budget=many': ft.drill_budget expects an integer"):
+        apply_overrides(cfg, ["ft.drill_budget=many"])
+    with pytest.raises(ValueError, match=r"ft has no field 'drill_budgte'; did you mean ft.drill_budget\?"):
+        apply_overrides(cfg, ["ft.drill_budgte=5"])
+    cfg.validate(world_size=2)
+    cfg.ft.drill_budget = "5"
+    _rejected(cfg, "ft.drill_budget: expects int, got '5' (str)")
+
+    page = config_reference.render(_ContainerWithNewField)
+    row = "| `drill_budget` | int | `3` | honoured | Faults a drill may inject before it stops. |"
+    assert row in page.splitlines()
+    assert "drill_budget" not in config_reference.render()  # nothing global was changed to get there
+
+
+@pytest.mark.parametrize(
+    "section, on",
+    [
+        (None, False),
+        (FaultToleranceConfig(), False),
+        (FaultToleranceConfig(enable_ft_package=True), True),
+        (NVRxStragglerDetectionConfig(), False),
+        (NVRxStragglerDetectionConfig(enabled=True), True),
+        (InProcessRestartConfig(enabled=True), True),
+        (StragglerDetectionConfig(), False),
+        (StragglerDetectionConfig(log_straggler=True), True),
+        (ProfilingConfig(), True),  # no switch of its own: present is on
+    ],
+)
+def test_off_is_a_none_section_or_one_whose_own_switch_is_false(section, on):
+    assert is_enabled(section) is on
+
+
+def test_validation_takes_none_sections_as_off_and_checks_present_ones_even_when_off():
+    cfg = base_config()
+    cfg.profiling = cfg.ft = cfg.straggler = cfg.nvrx_straggler = cfg.inprocess_restart = None
+    cfg.validate(world_size=2)
+    assert cfg.profiling is None and cfg.ft is None  # validation fills no section in
+    cfg.ft, cfg.straggler = FaultToleranceConfig(), StragglerDetectionConfig()
+    cfg.nvrx_straggler, cfg.inprocess_restart = NVRxStragglerDetectionConfig(), InProcessRestartConfig()
+    cfg.validate(world_size=2)
+    cfg.ft.simulated_fault_rank = 5  # off, but its fields are still the user's to get right
+    _rejected(cfg, "ft.simulated_fault_rank: 5 is not a rank of a world of 2")
+
+
+def test_a_section_mocked_with_its_spec_is_read_by_its_switch():
+    from unittest.mock import MagicMock
+
+    section = MagicMock(spec=InProcessRestartConfig)
+    section.enabled = False
+    assert not is_enabled(section)
+    section.enabled = True
+    assert is_enabled(section)

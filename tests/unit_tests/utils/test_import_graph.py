@@ -1,11 +1,16 @@
 """The package's import graph, read from the sources: no circle, and the layers import only downwards.
 
-Every ``import`` counts, function-level ones included (they run too, only later); an import under
-``if TYPE_CHECKING:`` does not (it never runs: annotations only).
+Every ``import`` counts, function-level ones included (they run too, only later). Two graphs are read: the run-time
+one, without the imports under ``if TYPE_CHECKING:`` (they never run), and the full one, with them: a type-only
+import is still a dependency a reader (and a type checker) follows, so it may not close a circle or reach a higher
+layer either.
 """
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 import megatron.bridge
 
@@ -29,13 +34,13 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> list[ast.stmt]:
-    """Every import statement in ``tree`` outside ``if TYPE_CHECKING:`` blocks (at any depth)."""
+def _imports(tree: ast.AST, type_only: bool = False) -> list[ast.stmt]:
+    """Every import statement in ``tree`` (at any depth); those under ``if TYPE_CHECKING:`` only with ``type_only``."""
     found: list[ast.stmt] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
+            if not type_only and isinstance(child, ast.If) and _is_type_checking(child.test):
                 for stmt in child.orelse:
                     visit_stmt(stmt)
                 continue
@@ -50,13 +55,14 @@ def _imports(tree: ast.AST) -> list[ast.stmt]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of this package it imports."""
+@functools.cache
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of this package it imports (with ``type_only``, also under ``if TYPE_CHECKING:``)."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        for node in _imports(ast.parse(path.read_text(), str(path)), type_only):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -127,21 +133,36 @@ def _short(name: str) -> str:
     return name.removeprefix(PACKAGE + ".")
 
 
-def test_the_package_has_no_import_circle():
-    found = cycles(import_graph())
+@pytest.mark.parametrize("type_only", [False, True], ids=["run-time imports", "with type-only imports"])
+def test_the_package_has_no_import_circle(type_only):
+    found = cycles(import_graph(type_only))
     assert not found, "import circles:\n" + "\n".join(" -> ".join(map(_short, c)) for c in found)
 
 
-def test_models_and_data_import_from_training_only_its_config():
+@pytest.mark.parametrize("type_only", [False, True], ids=["run-time imports", "with type-only imports"])
+def test_models_and_data_import_from_training_only_its_config(type_only):
     allowed = {f"{PACKAGE}.training", f"{PACKAGE}.training.config"}
     bad = [
         f"{_short(module)} imports {_short(target)}"
-        for module, targets in import_graph().items()
+        for module, targets in import_graph(type_only).items()
         if _short(module).split(".")[0] in ("models", "data")
         for target in sorted(targets)
         if _short(target).split(".")[0] == "training" and target not in allowed
     ]
     assert not bad, "models/ and data/ may import training.config and utils only:\n" + "\n".join(bad)
+
+
+def test_the_config_checks_import_neither_the_config_nor_its_sections():
+    """The layers: ``config`` imports ``config_sections``, both import ``config_checks``, never the other way."""
+    above = (f"{PACKAGE}.training.config", f"{PACKAGE}.training.config_sections")
+    bad = [
+        f"{_short(module)} imports {_short(target)}"
+        for module, targets in import_graph(type_only=True).items()
+        if module.startswith(f"{PACKAGE}.training.config_checks")
+        for target in sorted(targets)
+        if target == above[0] or target.startswith(above[1])
+    ]
+    assert not bad, "config_checks/ reads the objects it is given (config_checks/types.py):\n" + "\n".join(bad)
 
 
 def test_utils_import_only_utils():
@@ -155,7 +176,7 @@ def test_utils_import_only_utils():
     assert not bad, "utils/ is the bottom layer:\n" + "\n".join(bad)
 
 
-def test_the_checker_finds_a_circle_through_a_function_level_import_and_ignores_type_checking_imports(tmp_path):
+def test_the_checker_finds_a_circle_through_a_function_level_import_and_type_only_imports_when_asked():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -166,3 +187,35 @@ def test_the_checker_finds_a_circle_through_a_function_level_import_and_ignores_
     )
     names = [a.name if isinstance(n, ast.Import) else n.module for n in _imports(tree) for a in n.names]
     assert names == ["typing", "y", "z"]
+    names = [a.name if isinstance(n, ast.Import) else n.module for n in _imports(tree, True) for a in n.names]
+    assert names == ["typing", "x", "y", "z"]
+
+
+FEATURES = ("events", "faults", "health", "nvrx_straggler", "fault_tolerance", "inprocess_restart")
+"""The feature packages and modules of ``training/`` (each a component, or the upstream-path facade of one)."""
+FEATURE_EDGES = {
+    # Megatron-Bridge's ft.simulate_fault is armed in the one fault registry.
+    ("fault_tolerance", "faults.injection"),
+    # fault_tolerance.py is the upstream-path facade of hang detection; its rank monitor client is health's.
+    ("fault_tolerance", "health.rank_monitor_client"),
+    # in-process restart's CUDA health check runs where the device helper says the GPU is.
+    ("inprocess_restart", "health.device"),
+}
+"""The only imports from one feature into another, each with its reason; the event stream is everyone's."""
+
+
+def test_features_do_not_import_each_other():
+    def feature(module: str) -> str:
+        rest = _short(module).removeprefix("training.")
+        return rest.split(".")[0] if _short(module).startswith("training.") and rest.split(".")[0] in FEATURES else ""
+
+    found = {
+        (_short(module).removeprefix("training."), _short(target).removeprefix("training."))
+        for module, targets in import_graph().items()
+        for target in targets
+        if feature(module)
+        and feature(target)
+        and feature(module) != feature(target)
+        and _short(target) != "training.events.stream"
+    }
+    assert found == FEATURE_EDGES, f"new: {sorted(found - FEATURE_EDGES)}; gone: {sorted(FEATURE_EDGES - found)}"

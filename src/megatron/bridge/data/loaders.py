@@ -17,17 +17,25 @@ import json
 import logging
 import signal
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from megatron.bridge.data.samplers import build_pretraining_data_loader
 from megatron.bridge.utils.dist import collective_device
 
-if TYPE_CHECKING:
-    from megatron.bridge.training.state import TrainState
-
 logger = logging.getLogger(__name__)
+
+
+class TrainState(Protocol):
+    """What the loaders read and set of ``training.state.TrainState`` (data/ does not import training/)."""
+
+    consumed_train_samples: int
+    consumed_valid_samples: int
+    do_train: bool
+    do_valid: bool
+    do_test: bool
+
 
 Loaders = tuple[Optional[Any], Optional[Any], Optional[Any]]
 

@@ -28,7 +28,7 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 from megatron.bridge.utils.cpu_shims import before_megatron_core_import
 from megatron.bridge.utils.fields import fail
@@ -38,8 +38,8 @@ before_megatron_core_import()  # noqa: E402 - on CPU, before megatron-core's fus
 
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase  # noqa: E402
 
-if TYPE_CHECKING:
-    from megatron.bridge.training.tokenizers.config import TokenizerConfig
+TokenizerConfig = Any
+"""A ``training.config.TokenizerConfig`` (data/ imports nothing from training/ for annotations either)."""
 
 TokenizerKind = Literal["null", "byte-level", "huggingface"]
 

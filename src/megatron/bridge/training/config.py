@@ -8,12 +8,16 @@ that names the field and the fix (the checks live in ``config_checks/container.p
 ``config_checks/field_support.py``; ``docs/training/config-reference.md`` lists every field with its status).
 
 The resiliency sections (``ft``, ``nvrx_straggler``, ``inprocess_restart``, ``rerun_state_machine``, ...) are
-defined in ``config_sections/resiliency.py`` and importable from here, as in Megatron-Bridge.
+defined in ``config_sections/resiliency.py``, ``CheckpointConfig`` in ``config_sections/checkpoint.py``; all are
+importable from here, as in Megatron-Bridge. An optional section is off when it is ``None`` or its own switch field
+is false (``ft.enable_ft_package``, ``nvrx_straggler.enabled``, ``inprocess_restart.enabled``): ask
+:func:`is_enabled` (``is_enabled(cfg.ft)``), never the section or its flag alone.
+
+Layers: the checks (``config_checks/``) import nothing from this module or ``config_sections/`` (they read the
+objects they are given); the sections call them from ``finalize()`` and :meth:`ConfigContainer.validate` from here.
 """
 
-import dataclasses
 import logging
-import os
 import signal
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ from megatron.bridge.training.config_checks import sections as section_checks
 from megatron.bridge.training.config_checks.cross import (
     validate_precision_consistency as _validate_mixed_precision_consistency,
 )
+from megatron.bridge.training.config_sections.checkpoint import CheckpointConfig
 from megatron.bridge.training.config_sections.resiliency import (
     INPROCESS_STORE_PORT_OFFSET,
     FaultInjectionConfig,
@@ -32,11 +37,11 @@ from megatron.bridge.training.config_sections.resiliency import (
     NVRxStragglerDetectionConfig,
     RerunStateMachineConfig,
     StragglerDetectionConfig,
-    is_enabled,
 )
 from megatron.bridge.training.tokenizers.config import TokenizerConfig
+from megatron.bridge.utils import launch_env
 from megatron.bridge.utils.common_utils import get_rank_safe, get_world_size_safe
-from megatron.bridge.utils.fields import named_fields
+from megatron.bridge.utils.fields import is_enabled, named_fields
 
 if TYPE_CHECKING:  # megatron-core classes: importing them here would import megatron-core with every config read
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -106,6 +111,11 @@ def warn_rank_0(message: str) -> None:
     """``warnings.warn(message)`` on global rank 0 only (the config checks' warnings, once per job)."""
     if get_rank_safe() == 0:
         warnings.warn(message, stacklevel=2)
+
+
+def _launcher_local_rank() -> int:
+    """``$LOCAL_RANK`` or 0."""
+    return launch_env.current().local_rank
 
 
 def _default_ddp() -> "DistributedDataParallelConfig":
@@ -289,97 +299,6 @@ class SchedulerConfig:
 
 @named_fields
 @dataclass(kw_only=True)
-class CheckpointConfig:
-    """Checkpoint save and load (global ``torch_dist`` tier; ``non_persistent_*`` is the local tier)."""
-
-    save: Optional[str] = None
-    """Directory to save checkpoints into; ``None`` disables saving."""
-    save_interval: Optional[int] = None
-    """Save every this many iterations (and at the end of training)."""
-    most_recent_k: int = -1
-    """Keep only the newest k committed checkpoints; -1 keeps all."""
-    save_retain_interval: Optional[int] = None
-    """Keep only the checkpoints whose iteration is a multiple of this, and the newest: with ``save_interval=100,
-    save_retain_interval=1000`` every thousandth stays and each other one is deleted once a newer one is committed.
-    A positive multiple of ``save_interval``; not with ``most_recent_k``. ``None``: ``most_recent_k`` decides."""
-    save_optim: bool = True
-    """Save the optimizer state."""
-    save_rng: bool = True
-    """Save every random generator's state."""
-    load: Optional[str] = None
-    """Directory to resume from (usually the same as ``save``); ``None`` starts from scratch."""
-    load_optim: bool = True
-    """Load the optimizer state."""
-    load_rng: bool = True
-    """Load the random generators' state."""
-    load_main_params_from_ckpt: bool = False
-    """Load fp32 main parameters from the checkpoint (needs ``load_optim=False``)."""
-    non_persistent_save_interval: Optional[int] = None
-    """Local-tier save interval in iterations."""
-    non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory", "None"]] = None
-    """Kind of non-persistent checkpoint: ``"local"`` (node-local storage through nvidia-resiliency-ext)."""
-    non_persistent_global_ckpt_dir: Optional[str] = None
-    """Directory of ``"global"`` non-persistent checkpoints."""
-    non_persistent_local_ckpt_dir: Optional[str] = None
-    """Node-local directory for the local tier."""
-    non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
-    """Local-tier save algorithm."""
-    finetune: bool = False
-    """Load only the weights and start at iteration 0."""
-    pretrained_checkpoint: Optional[str] = None
-    """Weights to start a finetuning run from."""
-    ckpt_step: Optional[int] = None
-    """Resume from exactly this iteration of ``load`` (it must exist and verify; no fallback to an older one)."""
-    use_checkpoint_args: bool = False
-    """Take model arguments from the checkpoint."""
-    exit_on_missing_checkpoint: bool = False
-    """Fail (exit code 3) when ``load`` holds no checkpoint at all, instead of starting from iteration 0."""
-    global_save_failure_policy: Literal["stop", "continue_local"] = "stop"
-    """What a global save does when its storage fails (too little free space before it, ``ENOSPC``/``EDQUOT`` or a
-    read-only, unwritable or failing file system during it): ``"stop"`` ends the run with exit code 26 (full) or 27
-    (unavailable); ``"continue_local"`` logs a warning each time, saves that state to the local tier instead and
-    trains on (needs ``non_persistent_ckpt_type="local"``). Local-tier failures always stop."""
-    ckpt_format: Literal["torch_dist", "zarr", "fsdp_dtensor"] = "torch_dist"
-    """On-disk format: megatron-core distributed checkpointing (``torch_dist``)."""
-    fully_parallel_save: bool = True
-    """Spread the writing of replicated tensors over data-parallel ranks."""
-    async_save: bool = False
-    """Write checkpoint files in a background process while training continues (needs ``torch_dist``)."""
-    async_strategy: Literal["nvrx", "mcore"] = "nvrx"
-    """Who runs asynchronous saves: nvidia-resiliency-ext's ``AsyncCallsQueue``."""
-    use_persistent_ckpt_worker: bool = True
-    """Keep one long-lived background writer process for asynchronous saves: megatron-core's on GPU; on CPU this
-    package's, forked before the model exists and fed through shared memory (``checkpoint/snapshot_writer.py``)."""
-    fully_parallel_load: bool = False
-    """Spread checkpoint reading over data-parallel ranks and exchange the parts."""
-    ckpt_assume_constant_structure: bool = False
-    """Assume every save has the same structure: megatron-core checks it on the second save and from then on reuses
-    the save plan instead of building and exchanging it (``torch_dist``; less blocking time per save)."""
-    dist_ckpt_strictness: Literal[
-        "assume_ok_unexpected",
-        "log_unexpected",
-        "log_all",
-        "raise_unexpected",
-        "raise_all",
-        "return_unexpected",
-        "return_all",
-        "ignore_all",
-    ] = "assume_ok_unexpected"
-    """What loading does about keys the checkpoint and the model do not share (megatron-core ``StrictHandling``)."""
-    replication: bool = False
-    """Replicate local-tier shards to other nodes."""
-    replication_jump: Optional[int] = None
-    """Rank distance between replicas; ``None`` means ranks per node."""
-    replication_factor: int = 2
-    """Number of copies of each local-tier shard."""
-
-    def finalize(self) -> None:
-        """Check the section's own combinations (``ckpt_step`` needs ``load``, retention interval, ...)."""
-        section_checks.finalize_checkpoint(self)
-
-
-@named_fields
-@dataclass(kw_only=True)
 class LoggerConfig:
     """Logging and TensorBoard."""
 
@@ -439,7 +358,7 @@ class DistributedInitConfig:
     """Timeout of collectives (the watchdog timeout with NCCL)."""
     align_grad_reduce: bool = True
     """With pipeline parallelism, each stage reduces its gradients on its own."""
-    local_rank: int = field(default_factory=lambda: int(os.getenv("LOCAL_RANK", "0")))
+    local_rank: int = field(default_factory=_launcher_local_rank)
     """This process's rank on its node (from the launcher's ``LOCAL_RANK``); picks the GPU."""
     lazy_mpu_init: bool = False
     """Defer model-parallel initialization to an external manager (it also forces ``model.use_cpu_initialization``,
@@ -624,24 +543,11 @@ class ConfigContainer:
 
         if world_size is None:
             world_size = get_world_size_safe()
-        full = _with_sections(self)
-        validate_fields(full)  # types and spelling first: the reconciliations below read the fields
+        validate_fields(self)  # types and spelling first: the reconciliations below read the fields
         _validate_and_sync_distributed_optimizer_settings(self)
         _validate_mixed_precision_consistency(self)
-        validate_config(full, world_size, INPROCESS_STORE_PORT_OFFSET)
+        validate_config(self, world_size, INPROCESS_STORE_PORT_OFFSET)
         self.data_parallel_size = self.get_data_parallel_size(world_size)
-
-
-def _with_sections(cfg: ConfigContainer) -> ConfigContainer:
-    """A shallow copy of ``cfg`` whose optional resiliency sections that are ``None`` hold their (off) defaults."""
-    return dataclasses.replace(
-        cfg,
-        ft=cfg.ft or FaultToleranceConfig(),
-        nvrx_straggler=cfg.nvrx_straggler or NVRxStragglerDetectionConfig(),
-        straggler=cfg.straggler or StragglerDetectionConfig(),
-        inprocess_restart=cfg.inprocess_restart or InProcessRestartConfig(),
-        profiling=cfg.profiling or ProfilingConfig(),
-    )
 
 
 def apply_environment_variables(cfg: ConfigContainer) -> None:

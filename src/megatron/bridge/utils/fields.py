@@ -5,6 +5,7 @@
 - :func:`named_fields`: a class decorator whose ``__init__`` names the nearest field for an unknown keyword.
 - :func:`field_problems`: values of the wrong type, and attributes set on a config that are not fields of it.
 - :func:`fail`: the one error every config and data check raises, naming the field (or file) and the fix.
+- :func:`is_enabled`: whether an optional config section is on (present, and its own switch field true).
 """
 
 import dataclasses
@@ -14,7 +15,7 @@ import functools
 import types
 import typing
 from collections.abc import Iterator
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Final, Literal, Optional, TypeVar, Union
 
 C = TypeVar("C", bound=type)
 
@@ -141,3 +142,22 @@ class ConfigError(ValueError, AssertionError):
 def fail(subject: str, problem: str, fix: str) -> typing.NoReturn:
     """Raise ``ConfigError("<subject>: <problem>. Fix: <fix>.")``; ``subject`` is a dotted field or a file."""
     raise ConfigError(f"{subject}: {problem}. Fix: {fix}.")
+
+
+SWITCH: Final = "SWITCH"
+"""The class attribute (a ``ClassVar[str]``) by which a section names its own on/off field, e.g.
+``FaultToleranceConfig.SWITCH == "enable_ft_package"``; a section without one has no switch."""
+
+
+def is_enabled(section: Any) -> bool:
+    """Whether an optional config section is on: the one way to ask it (``is_enabled(cfg.ft)``).
+
+    As in Megatron-Bridge, a section is off when it is ``None`` and, for a section with its own switch field
+    (``ft.enable_ft_package``, ``nvrx_straggler.enabled``, ``inprocess_restart.enabled``, ``straggler.log_straggler``:
+    the field its class names in :data:`SWITCH`), when that field is false. A present section without a switch
+    (``profiling``) is on.
+    """
+    if section is None:
+        return False
+    switch = getattr(section.__class__, SWITCH, None)  # ``__class__``: a mock made with ``spec=`` answers its spec
+    return switch is None or bool(getattr(section, switch))

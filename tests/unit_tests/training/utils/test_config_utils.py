@@ -10,7 +10,7 @@ from tests.unit_tests.configs import base_config
 
 from megatron.bridge.recipes.llama.llama3 import llama3_8b_pretrain_config, llama3_tiny_pretrain_config
 from megatron.bridge.training.config import ConfigContainer
-from megatron.bridge.training.utils.config_utils import from_plain, resolve
+from megatron.bridge.training.utils.config_utils import from_plain, resolve, to_plain
 
 RECIPES = [(base_config, 1), (llama3_tiny_pretrain_config, 1), (llama3_8b_pretrain_config, 8)]
 
@@ -59,3 +59,12 @@ def test_print_yaml_and_bad_files(tmp_path, capsys):
         from_plain({"_target_": "os.system"})
     assert resolve("torch.float32") is torch.float32
     assert from_plain({"_target_": "os.getcwd", "_call_": False}) is os.getcwd
+
+
+def test_sections_kept_out_of_config_py_are_named_where_megatron_bridge_has_them():
+    from megatron.bridge.training.config import CheckpointConfig, FaultToleranceConfig, HealthConfig
+
+    for section in (CheckpointConfig(), FaultToleranceConfig(), HealthConfig()):
+        target = to_plain(section)["_target_"]
+        assert target == f"megatron.bridge.training.config.{type(section).__name__}", target
+        assert type(from_plain(to_plain(section))) is type(section)

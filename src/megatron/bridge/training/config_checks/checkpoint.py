@@ -9,24 +9,22 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
 from megatron.bridge.training.checkpoint.storage import write_problem
+from megatron.bridge.training.config_checks.types import Section
+from megatron.bridge.utils import launch_env
 from megatron.bridge.utils.fields import fail as _fail
-
-if TYPE_CHECKING:  # no import at run time: config.py runs these checks
-    from megatron.bridge.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
 
-def validate_checkpoint(c: CheckpointConfig, world_size: int) -> None:
+def validate_checkpoint(c: Section, world_size: int) -> None:
     """Check the checkpoint fields and their combinations for a job of ``world_size`` ranks."""
     _validate_global(c)
     _validate_local(c, world_size)
 
 
-def _validate_global(c: CheckpointConfig) -> None:
+def _validate_global(c: Section) -> None:
     if c.ckpt_format != "torch_dist":
         _fail("checkpoint.ckpt_format", f"unsupported format {c.ckpt_format!r}", 'use "torch_dist"')
     if c.save_interval is not None and c.save_interval < 1:
@@ -93,7 +91,7 @@ def _check_writable(field: str, path: str | None) -> None:
         _fail(field, f"{path!r} {problem}", _UNWRITABLE_FIX)
 
 
-def _validate_local(c: CheckpointConfig, world_size: int) -> None:
+def _validate_local(c: Section, world_size: int) -> None:
     """The local tier (``non_persistent_*``) and its replication."""
     if c.replication and c.non_persistent_ckpt_type != "local":
         _fail(
@@ -166,10 +164,10 @@ def _validate_local(c: CheckpointConfig, world_size: int) -> None:
         _validate_replication(c, world_size)
 
 
-def _validate_replication(c: CheckpointConfig, world_size: int) -> None:
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+def _validate_replication(c: Section, world_size: int) -> None:
+    per_node = launch_env.current().local_world_size  # None: not set
     jump = c.replication_jump if c.replication_jump is not None else per_node
-    if c.replication_jump is None and per_node < 1:
+    if jump is None:
         _fail(
             "checkpoint.replication_jump",
             "defaults to ranks per node (LOCAL_WORLD_SIZE), which is not set",
@@ -191,7 +189,7 @@ def _validate_replication(c: CheckpointConfig, world_size: int) -> None:
             "choose a factor (and jump) that divide the "
             "world size, e.g. jump = ranks per node and a factor that divides the number of nodes",
         )
-    if per_node >= 1 and jump < per_node:
+    if per_node is not None and jump < per_node:
         logger.warning(
             "checkpoint.replication_jump=%d is smaller than the %d ranks per node: some replicas are "
             "kept on their owner's node and do not survive its loss",

@@ -9,9 +9,11 @@ derived from others (``train.global_batch_size``, ``train.train_iters`` from ``t
 scheduler's step counts, ``model.vocab_size`` from the tokenizer) and finalizes the model and dataset configs.
 
 ``config.py`` calls these checks; they receive the config's objects and values and import nothing from
-``config.py`` at run time (its classes only for type checking), so the dependency goes one way. Besides the config
-they read only the environment variables listed in ``env_inputs.ENV_INPUTS``, and never ask CUDA anything: a
-check that depends on the device uses ``dist.device`` (with ``auto``, it runs at initialization instead).
+``config.py`` or ``config_sections/``, not even for annotations (``config_checks/types.py``), so the dependency goes
+one way. An optional section may be ``None`` (off); the checks ask ``utils.fields.is_enabled`` whether one is on.
+Besides the config they read only the environment variables listed in ``env_inputs.ENV_INPUTS``, and never ask CUDA
+anything: a check that depends on the device uses ``dist.device`` (with ``auto``, it runs at initialization
+instead).
 """
 
 from __future__ import annotations
@@ -22,56 +24,36 @@ import logging
 import os
 import signal
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from megatron.bridge.training.config_checks.checkpoint import validate_checkpoint
 from megatron.bridge.training.config_checks.cross import validate_evaluation_batches, validate_schedule
-from megatron.bridge.training.config_checks.field_support import refused_fields
+from megatron.bridge.training.config_checks.field_support import REFUSED, refused_fields
 from megatron.bridge.training.config_checks.resiliency import validate_resiliency
+from megatron.bridge.training.config_checks.types import Container, ModelConfig
 from megatron.bridge.training.events.stream import directory_problem, resolve_directory
-from megatron.bridge.utils.fields import ConfigError, field_problems
+from megatron.bridge.utils import launch_env
+from megatron.bridge.utils.fields import ConfigError, field_problems, is_enabled
 from megatron.bridge.utils.fields import fail as _fail
-
-if TYPE_CHECKING:
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
-    from megatron.bridge.training.config import ConfigContainer
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = (
-    "rng",
-    "rerun_state_machine",
-    "train",
-    "validation",
-    "scheduler",
-    "dataset",
-    "logger",
-    "tokenizer",
-    "checkpoint",
-    "dist",
-    "ft",
-    "straggler",
-    "nvrx_straggler",
-    "profiling",
-    "inprocess_restart",
-    "health",
-    "fault_injection",
-)
-"""The sections whose every field is checked against its type (the megatron-core ones check themselves)."""
+MEGATRON_CORE_SECTIONS = ("model", "optimizer", "ddp")
+"""Sections that are megatron-core's own configs: megatron-core checks their fields (``_validate_model``, ...)."""
 
 
-def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_offset: int) -> None:
+def validate_config(cfg: Container, world_size: Optional[int], store_port_offset: int) -> None:
     """Check every field and every combination of ``cfg``; raise ``ValueError`` naming the field and the fix.
 
     Args:
-        cfg: the configuration to check (its ``None`` resiliency sections replaced by their defaults).
+        cfg: the configuration to check (an optional section that is ``None`` is off and not checked).
         world_size: number of ranks; ``None``: ``$WORLD_SIZE`` (1 when unset).
         store_port_offset: in-process restart's store listens on ``MASTER_PORT`` + this.
     """
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = launch_env.current().world_size
     validate_fields(cfg)
     _finalize_sections(cfg)
     _refuse_unsupported(cfg)  # after the sections' own checks: a combination no one accepts is named as such first
@@ -93,49 +75,55 @@ def validate_config(cfg: ConfigContainer, world_size: Optional[int], store_port_
     validate_resiliency(cfg, world_size, store_port_offset)
 
 
-def active_ranks(cfg: ConfigContainer, world_size: int) -> int:
+def active_ranks(cfg: Container, world_size: int) -> int:
     """The ranks that train: all of them, or with in-process restart's warm reserves only the active ones."""
     restart = cfg.inprocess_restart
-    if restart is not None and restart.enabled and 1 <= (restart.active_world_size or 0) <= world_size:
+    if is_enabled(restart) and 1 <= (restart.active_world_size or 0) <= world_size:
         return restart.active_world_size
     return world_size
 
 
-def _finalize_sections(cfg: ConfigContainer) -> None:
-    """Each section's own checks (its ``finalize()``, as Megatron-Bridge's ``validate()`` calls them)."""
-    cfg.logger.finalize()
-    cfg.scheduler.finalize()
-    cfg.checkpoint.finalize()
-    cfg.profiling.finalize()
-    for name in ("nvrx_straggler", "tensor_inspect"):
+def _finalize_sections(cfg: Container) -> None:
+    """Each section's own checks (its ``finalize()``, as Megatron-Bridge's ``validate()`` calls them).
+
+    The training section's runs later, once the global batch size is known (``_validate_train``), and the model's and
+    the dataset's with their own checks; an optional section that is ``None`` has none to run.
+    """
+    for name in ("logger", "scheduler", "checkpoint", "profiling", "nvrx_straggler", "tensor_inspect"):
         section = getattr(cfg, name)
         if section is not None and hasattr(section, "finalize"):
             section.finalize()
 
 
-def validate_fields(cfg: ConfigContainer) -> None:
-    """Sections of the right class, values of the right type, no misspelt attribute."""
+def validate_fields(cfg: Container) -> None:
+    """Sections of the right class, values of the right type, no misspelt attribute.
+
+    Every field of every section is checked against its annotation, read from the section's class, so a field added
+    to a section is checked with no list to extend; megatron-core's sections (:data:`MEGATRON_CORE_SECTIONS`) check
+    themselves, and a section refused whole (``field_support.REFUSED``) is named by that check instead.
+    """
     for problem in field_problems(cfg, ""):
         raise ConfigError(problem)
-    for name in SECTIONS:
-        section = getattr(cfg, name)
-        if dataclasses.is_dataclass(section):
-            for problem in field_problems(section, name):
-                raise ConfigError(problem)
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if f.name in MEGATRON_CORE_SECTIONS or f.name in REFUSED or not dataclasses.is_dataclass(section):
+            continue
+        for problem in field_problems(section, f.name):
+            raise ConfigError(problem)
 
 
-def _refuse_unsupported(cfg: ConfigContainer) -> None:
+def _refuse_unsupported(cfg: Container) -> None:
     """No field this framework cannot honour is set away from its default (``field_support.REFUSED``)."""
     for dotted, value, default, why in refused_fields(cfg):
         _fail(dotted, f"{value!r} is not supported here ({why})", f"leave it at its default {default!r}")
 
 
-def tokenizer_unset(cfg: ConfigContainer) -> bool:
+def tokenizer_unset(cfg: Container) -> bool:
     """Whether the config names no tokenizer at all (neither ``tokenizer_type`` nor ``metadata_path``)."""
     return cfg.tokenizer.tokenizer_type is None and cfg.tokenizer.metadata_path is None
 
 
-def require_tokenizer(cfg: ConfigContainer) -> None:
+def require_tokenizer(cfg: Container) -> None:
     """A run needs a tokenizer: fail naming the choices when the config has none.
 
     ``validate()`` and ``runtime_config_update`` accept a config without one, as Megatron-Bridge's do (its
@@ -146,7 +134,7 @@ def require_tokenizer(cfg: ConfigContainer) -> None:
         _validate_tokenizer(cfg, required=True)
 
 
-def _validate_tokenizer(cfg: ConfigContainer, required: bool = False) -> None:
+def _validate_tokenizer(cfg: Container, required: bool = False) -> None:
     """The tokenizer builds from local files; the model's vocabulary holds every id it makes (or takes its size).
 
     A config naming no tokenizer is checked only when ``required`` (see :func:`require_tokenizer`).
@@ -169,7 +157,7 @@ def _validate_tokenizer(cfg: ConfigContainer, required: bool = False) -> None:
         )
 
 
-def _validate_dataset(cfg: ConfigContainer) -> None:
+def _validate_dataset(cfg: Container) -> None:
     from megatron.bridge.data.base import DatasetProvider
     from megatron.bridge.data.checks import check_dataset_files, is_mock
     from megatron.bridge.data.config import GPTDatasetConfig
@@ -234,12 +222,12 @@ def _validate_loader(d: object) -> None:
         _fail("dataset.num_workers", f"must be >= 0, got {d.num_workers}", "use 0 or more workers")
 
 
-def data_parallel_size(model: GPTModelProvider, world_size: int) -> int:
+def data_parallel_size(model: ModelConfig, world_size: int) -> int:
     """Number of data-parallel replicas for a world of ``world_size`` ranks."""
     return world_size // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
 
 
-def _validate_pipeline(m: GPTModelProvider) -> None:
+def _validate_pipeline(m: ModelConfig) -> None:
     """Stages (and virtual stages) must each get the same whole number of layers."""
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
     if vp is not None and (vp < 1 or pp < 2):
@@ -264,7 +252,7 @@ def _validate_pipeline(m: GPTModelProvider) -> None:
         )
 
 
-def check_world_divisible(m: GPTModelProvider, world_size: int) -> int:
+def check_world_divisible(m: ModelConfig, world_size: int) -> int:
     """The data-parallel size of ``world_size`` ranks; fails when the model-parallel sizes do not divide it."""
     tp = m.tensor_model_parallel_size
     if tp < 1:
@@ -282,7 +270,7 @@ def check_world_divisible(m: GPTModelProvider, world_size: int) -> int:
     return world_size // (tp * pp)
 
 
-def _validate_deterministic_mode(m: GPTModelProvider) -> None:
+def _validate_deterministic_mode(m: ModelConfig) -> None:
     """``model.deterministic_mode``: no fused cross entropy, a fixed NCCL algorithm; torch's deterministic algorithms.
 
     As Megatron-Bridge's ``validate()``, it turns ``torch.use_deterministic_algorithms`` on.
@@ -305,7 +293,7 @@ def _validate_deterministic_mode(m: GPTModelProvider) -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def _validate_model(m: GPTModelProvider, world_size: int) -> None:
+def _validate_model(m: ModelConfig, world_size: int) -> None:
     check_world_divisible(m, world_size)
     tp = m.tensor_model_parallel_size
     _validate_pipeline(m)
@@ -374,7 +362,7 @@ def _validate_model(m: GPTModelProvider, world_size: int) -> None:
         _fail("model", f"megatron-core rejects the model config: {err}", "fix the field it names")
 
 
-def check_precision_on_device(m: GPTModelProvider, device: torch.device | str, requested: str) -> None:
+def check_precision_on_device(m: ModelConfig, device: torch.device | str, requested: str) -> None:
     """bfloat16 needs CUDA: refuse it when the run trains on the CPU (``device``, from ``dist.device=requested``).
 
     ``validate()`` calls it when ``dist.device`` names the device; with ``auto`` it runs at initialization, once the
@@ -392,13 +380,13 @@ def check_precision_on_device(m: GPTModelProvider, device: torch.device | str, r
     )
 
 
-def _validate_device(cfg: ConfigContainer) -> None:
+def _validate_device(cfg: Container) -> None:
     """``dist.device`` against the precision, when it names the device (``auto`` is checked at initialization)."""
     if cfg.dist.device in ("cpu", "cuda"):
         check_precision_on_device(cfg.model, cfg.dist.device, cfg.dist.device)
 
 
-def _validate_train(cfg: ConfigContainer, world_size: int) -> None:
+def _validate_train(cfg: Container, world_size: int) -> None:
     t, m = cfg.train, cfg.model
     if t.micro_batch_size is None:
         _fail("train.micro_batch_size", "train.micro_batch_size must be set", "set the samples per micro-batch")
@@ -462,7 +450,7 @@ def _validate_train(cfg: ConfigContainer, world_size: int) -> None:
         )
 
 
-def _validate_optimizer(cfg: ConfigContainer) -> None:
+def _validate_optimizer(cfg: Container) -> None:
     o, m = cfg.optimizer, cfg.model
     if o.optimizer not in ("adam", "sgd"):
         _fail("optimizer.optimizer", f"unknown optimizer {o.optimizer!r}", 'use "adam" or "sgd"')
@@ -499,7 +487,7 @@ def _validate_optimizer(cfg: ConfigContainer) -> None:
         _fail("optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}", "use a non-negative value")
 
 
-def _validate_runtime(cfg: ConfigContainer) -> None:
+def _validate_runtime(cfg: Container) -> None:
     if cfg.dist.distributed_timeout_minutes < 1:
         _fail(
             "dist.distributed_timeout_minutes",
@@ -518,7 +506,7 @@ def _validate_runtime(cfg: ConfigContainer) -> None:
         _fail("logger.log_interval", f"must be >= 1, got {cfg.logger.log_interval}", "use a positive interval")
 
 
-def _validate_event_dir(cfg: ConfigContainer) -> None:
+def _validate_event_dir(cfg: Container) -> None:
     """The event stream's directory (``health.event_dir``, default ``<checkpoint.save>/events``) can be created."""
     directory = resolve_directory(cfg.health.event_dir, cfg.checkpoint.save)
     problem = directory_problem(directory) if directory is not None else None

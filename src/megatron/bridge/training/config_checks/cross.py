@@ -8,21 +8,18 @@
 
 Failures are :class:`~megatron.bridge.utils.fields.ConfigError` naming the field and the fix; where Megatron-Bridge
 checks the same condition, the message repeats its wording. Like ``config_checks/container.py``, this module imports
-nothing from ``config.py`` at run time.
+nothing from ``config.py`` or ``config_sections/``, not even for annotations.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
+from megatron.bridge.training.config_checks.types import Container
 from megatron.bridge.utils.fields import fail
 
-if TYPE_CHECKING:
-    from megatron.bridge.training.config import ConfigContainer
 
-
-def validate_schedule(cfg: ConfigContainer) -> None:
+def validate_schedule(cfg: Container) -> None:
     """The schedule against the run's length; fill its lengths in samples (``lr_warmup_steps``, ...).
 
     As in Megatron-Bridge: an iteration-based run counts the schedule in iterations and a sample-based one in
@@ -125,7 +122,7 @@ def validate_schedule(cfg: ConfigContainer) -> None:
     s.lr_warmup_steps, s.lr_decay_steps = warmup, decay
 
 
-def validate_evaluation_batches(cfg: ConfigContainer, dp: int) -> None:
+def validate_evaluation_batches(cfg: Container, dp: int) -> None:
     """Evaluation's batch sizes and steps: the batch sizes default to training's and divide over ``dp`` replicas."""
     v, t = cfg.validation, cfg.train
     batch_sizes = (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size))
@@ -153,7 +150,7 @@ def validate_evaluation_batches(cfg: ConfigContainer, dp: int) -> None:
         fail("validation.eval_interval", f"must be >= 1 or None, got {v.eval_interval}", "use null to never evaluate")
 
 
-def validate_precision_consistency(config: ConfigContainer) -> None:
+def validate_precision_consistency(config: Container) -> None:
     """The model's and the optimizer's precision flags do not contradict each other (Megatron-Bridge's check)."""
     m, o = config.model, config.optimizer
     for section, obj in (("model", m), ("optimizer", o)):

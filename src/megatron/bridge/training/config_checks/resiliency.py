@@ -2,27 +2,28 @@
 
 Fault tolerance, straggler detection, the re-run state machine, in-process restart, health checks and fault
 injection: each failure is a ``ValueError`` naming the field and the fix (``utils.fields.fail``). Called by
-``config_validation.validate_config``; imports nothing from ``config.py`` at run time. The environment variables
-read here are the launcher's and the job script's listed in ``env_inputs.ENV_INPUTS`` (a unit test checks it).
+``config_checks.container.validate_config``; imports nothing from ``config.py`` or ``config_sections/``. An optional
+section that is ``None`` is off and has nothing to check; ``utils.fields.is_enabled`` says whether one is on. The
+environment variables read here are the launcher's and the job script's listed in ``env_inputs.ENV_INPUTS`` (a unit
+test checks it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
+from megatron.bridge.training.config_checks.types import Container, Section
 from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.utils import launch_env
 from megatron.bridge.utils.fields import fail as _fail
-
-if TYPE_CHECKING:
-    from megatron.bridge.training.config import ConfigContainer, FaultToleranceConfig
+from megatron.bridge.utils.fields import is_enabled
 
 logger = logging.getLogger(__name__)
 
 
-def validate_resiliency(cfg: ConfigContainer, world_size: int, store_port_offset: int) -> None:
-    """Check every resiliency section of ``cfg`` (its ``None`` sections already replaced by their defaults)."""
+def validate_resiliency(cfg: Container, world_size: int, store_port_offset: int) -> None:
+    """Check every resiliency section of ``cfg``; an optional one that is ``None`` (off) has nothing to check."""
     _validate_fault_tolerance(cfg.ft, world_size)
     _validate_straggler(cfg)
     _validate_rerun(cfg)
@@ -31,8 +32,10 @@ def validate_resiliency(cfg: ConfigContainer, world_size: int, store_port_offset
     _validate_fault_injection(cfg, world_size)
 
 
-def _validate_fault_tolerance(ft: FaultToleranceConfig, world_size: int) -> None:
-    if ft.enable_ft_package and not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
+def _validate_fault_tolerance(ft: Section, world_size: int) -> None:
+    if ft is None:
+        return
+    if is_enabled(ft) and not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
         _fail(
             "ft.enable_ft_package",
             "no rank monitor to report to ($FT_RANK_MONITOR_IPC_SOCKET is unset): this process was not started by "
@@ -40,7 +43,7 @@ def _validate_fault_tolerance(ft: FaultToleranceConfig, world_size: int) -> None
             "launch with ft_launcher (same arguments as torchrun plus --ft-rank-section-timeouts=setup:600,"
             "step:180,checkpointing:420 --ft-rank-out-of-section-timeout=300), or set ft.enable_ft_package=false",
         )
-    if ft.simulate_fault and not ft.enable_ft_package:
+    if ft.simulate_fault and not is_enabled(ft):
         _fail("ft.simulate_fault", "needs fault tolerance to detect the fault", "also set ft.enable_ft_package=true")
     if ft.simulated_fault_rank is not None and not 0 <= ft.simulated_fault_rank < world_size:
         _fail(
@@ -56,10 +59,10 @@ def _validate_fault_tolerance(ft: FaultToleranceConfig, world_size: int) -> None
         )
 
 
-def _validate_straggler(cfg: ConfigContainer) -> None:
+def _validate_straggler(cfg: Container) -> None:
     s = cfg.nvrx_straggler
-    if cfg.straggler.log_straggler:
-        if s.enabled:
+    if is_enabled(cfg.straggler):
+        if is_enabled(s):
             _fail(
                 "straggler.log_straggler",
                 "two straggler detectors are enabled (the legacy one and nvrx_straggler); they time the same steps "
@@ -71,8 +74,10 @@ def _validate_straggler(cfg: ConfigContainer) -> None:
             "the legacy megatron-core straggler detector is not available in megatron.bridge",
             "set straggler.log_straggler=false and nvrx_straggler.enabled=true",
         )
+    if s is None:
+        return
     s.finalize()  # the section's own checks
-    if not s.enabled:
+    if not is_enabled(s):
         return
     if s.stop_if_detected and cfg.checkpoint.save is None:
         logger.warning(
@@ -81,7 +86,7 @@ def _validate_straggler(cfg: ConfigContainer) -> None:
         )
 
 
-def _validate_rerun(cfg: ConfigContainer) -> None:
+def _validate_rerun(cfg: Container) -> None:
     r = cfg.rerun_state_machine
     if r.spiky_loss_factor <= 1.0:
         _fail(
@@ -132,9 +137,9 @@ def _validate_rerun(cfg: ConfigContainer) -> None:
 INPROCESS_ENV = {"TORCH_CPP_LOG_LEVEL": "error", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
 
 
-def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_port_offset: int) -> None:
+def _validate_inprocess_restart(cfg: Container, world_size: int, store_port_offset: int) -> None:
     ipr = cfg.inprocess_restart
-    if not ipr.enabled:
+    if not is_enabled(ipr):
         return
     p = "inprocess_restart"
     if ipr.active_world_size is not None and not 1 <= ipr.active_world_size <= world_size:
@@ -192,16 +197,17 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_por
             + ", ".join(f"{k} (is {current[k]!r})" for k in missing),
             "export " + " ".join(f"{k}={v}" for k, v in missing.items()) + " in the job script before launching",
         )
-    if "MASTER_ADDR" not in os.environ or not os.environ.get("MASTER_PORT", "").isdigit():
+    launch = launch_env.current()
+    if launch.master_addr is None or launch.master_port is None:
         _fail(
             f"{p}.enabled",
             "needs MASTER_ADDR and MASTER_PORT (the rendezvous store; the wrapper's store listens on MASTER_PORT + "
             f"{store_port_offset})",
             "launch with torchrun, python -m megatron.bridge.launch or ft_launcher, or export both",
         )
-    if int(os.environ["MASTER_PORT"]) + store_port_offset > 65535:
+    if launch.master_port + store_port_offset > launch_env.MAX_PORT:
         _fail(f"{p}.enabled", f"MASTER_PORT + {store_port_offset} is not a port", "use a lower MASTER_PORT")
-    if ipr.granularity == "node" and not os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+    if ipr.granularity == "node" and launch.local_world_size is None:
         _fail(
             f"{p}.granularity",
             '"node" groups ranks by host and needs LOCAL_WORLD_SIZE (ranks per node), which is not set',
@@ -209,7 +215,7 @@ def _validate_inprocess_restart(cfg: ConfigContainer, world_size: int, store_por
         )
 
 
-def _validate_health(cfg: ConfigContainer) -> None:
+def _validate_health(cfg: Container) -> None:
     h = cfg.health
     if h.liveness_ping_interval < 0:
         _fail(
@@ -240,13 +246,13 @@ def _validate_health(cfg: ConfigContainer) -> None:
         )
 
 
-def _validate_fault_injection(cfg: ConfigContainer, world_size: int) -> None:
+def _validate_fault_injection(cfg: Container, world_size: int) -> None:
     sources = {
-        "fault_injection.faults": cfg.fault_injection.faults or "",
+        fault_injection.CONFIG_FIELD: cfg.fault_injection.faults or "",
         fault_injection.ENV: os.environ.get(fault_injection.ENV, ""),
     }
     for source, spec in sources.items():
-        for fault in fault_injection.parse(spec, source):  # a malformed item: a ValueError naming it and the form
+        for fault in fault_injection.parse(spec, source):  # a bad item: a ValueError naming it, the form, the kinds
             if fault.rank >= world_size:
                 _fail(
                     source,

@@ -4,10 +4,13 @@ Megatron-Bridge's classes and fields (``FaultToleranceConfig``, ``NVRxStragglerD
 ``InProcessRestartConfig``, ``RerunStateMachineConfig``, ``StragglerDetectionConfig``) plus this framework's own
 (``HealthConfig``, ``FaultInjectionConfig``, and the bounded re-run fields of ``RerunStateMachineConfig``). Import
 them from ``megatron.bridge.training.config``, as in Megatron-Bridge; they live here to keep that module short.
+
+A section that is ``None`` is off, and so is one whose own switch field is false (the field its class names in
+``SWITCH``): ask ``megatron.bridge.utils.fields.is_enabled(section)``, which reads both.
 """
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from megatron.bridge.utils.fields import fail, named_fields
 
@@ -17,6 +20,8 @@ from megatron.bridge.utils.fields import fail, named_fields
 class FaultToleranceConfig:
     """Hang and crash detection through nvidia-resiliency-ext's rank monitor (needs ``ft_launcher``)."""
 
+    SWITCH: ClassVar[str] = "enable_ft_package"
+    """The field that turns the section on (``utils.fields.is_enabled``)."""
     enable_ft_package: bool = False
     """Enable fault tolerance (heartbeats and section timeouts to the ft_launcher rank monitor)."""
     calc_ft_timeouts: bool = False
@@ -34,12 +39,15 @@ class FaultToleranceConfig:
 @named_fields
 @dataclass
 class FaultInjectionConfig:
-    """Real faults on demand, for tests and drills (``training/faults/injection.py`` documents the spec)."""
+    """Real faults on demand, for tests and drills (``training/faults/spec.py`` documents the one fault grammar)."""
 
     faults: str = ""
     """Comma-separated faults ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.
-    ``"kill@8:1,stall@6:1:save.during_write,nan@8:0:local_save"``; ``$MBRIDGE_FAULTS`` (for launcher-driven runs)
-    adds its faults to these. Empty: none."""
+    ``"kill@8:1,preempt@20:0,stall@6:1:save.during_write,nan@8:0:local_save"``, in the grammar that
+    ``$MBRIDGE_FAULTS`` (for launcher-driven runs; its faults are added to these) and the drill's ``--faults`` use
+    too. Kinds: ``hang``, ``kill``, ``preempt``, ``preempt-tree``, ``exception``, ``stall``, ``slow``, ``spike``,
+    ``nan``, ``corrupt-local``, ``fill``, ``oom``, ``clock-jump``, ``no-rng-restore``, ``no-optimizer-restore``,
+    ``no-data-restore``. Empty: none."""
     ledger: Optional[str] = None
     """File shared by every attempt of the job: each fault strikes once per job, the first time any attempt reaches
     it, and is recorded there (a JSON line with its wall-clock time) just before. ``None``: faults strike in the
@@ -51,6 +59,8 @@ class FaultInjectionConfig:
 class NVRxStragglerDetectionConfig:
     """Straggler detection through nvidia-resiliency-ext's ``straggler.Detector``."""
 
+    SWITCH: ClassVar[str] = "enabled"
+    """The field that turns the section on (``utils.fields.is_enabled``)."""
     enabled: bool = False
     """Enable straggler detection."""
     report_time_interval: float = 300.0
@@ -139,6 +149,8 @@ class StragglerDetectionConfig:
     message instead of an unknown-field error. Use :class:`NVRxStragglerDetectionConfig`.
     """
 
+    SWITCH: ClassVar[str] = "log_straggler"
+    """The field that turns the section on (``utils.fields.is_enabled``)."""
     log_straggler: bool = False
     """Enable the legacy detector; only ``False`` is accepted (use ``nvrx_straggler.enabled``)."""
     enable_straggler_on_startup: bool = True
@@ -149,14 +161,6 @@ class StragglerDetectionConfig:
     """Number of fastest and slowest ranks the legacy detector reports (no effect: it never runs here)."""
     disable_straggler_on_startup: bool = False
     """Start the legacy detector switched off (no effect: it never runs here)."""
-
-
-def is_enabled(section: Optional[object], flag: str = "enabled") -> bool:
-    """Whether an optional section is set and switched on (``None`` is off).
-
-    Example: ``is_enabled(cfg.ft, "enable_ft_package")``.
-    """
-    return section is not None and bool(getattr(section, flag))
 
 
 INPROCESS_STORE_PORT_OFFSET = 2
@@ -178,6 +182,8 @@ class InProcessRestartConfig:
     wrapper's store, hosted by rank 0).
     """
 
+    SWITCH: ClassVar[str] = "enabled"
+    """The field that turns the section on (``utils.fields.is_enabled``)."""
     enabled: bool = False
     """Enable in-process restart."""
     active_world_size: Optional[int] = None

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import sys
 import textwrap
+import types
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,12 +68,18 @@ def _first_sentence(text: str) -> str:
 
 
 def _default(f: dataclasses.Field) -> str:
-    if f.name == "local_rank":
-        return "`$LOCAL_RANK` or 0"
+    """A field's default as the page shows it, read from the field alone (no field is special-cased).
+
+    A default computed when the section is built by a named function (one read from the environment, say) is shown
+    by that function's docstring, not by the value it gives on the machine that renders the page.
+    """
+    factory = f.default_factory
+    if isinstance(factory, types.FunctionType) and factory.__name__ != "<lambda>" and factory.__doc__:
+        return factory.__doc__.strip().splitlines()[0].rstrip(".").replace("``", "`")
     if f.default is not dataclasses.MISSING:
         value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
+    elif factory is not dataclasses.MISSING:
+        value = factory()
         if dataclasses.is_dataclass(value):
             return f"`{type(value).__name__}()`"
         if type(value).__module__.startswith("megatron.core"):
@@ -122,14 +129,22 @@ def _table(name: str, cls: type, note: Optional[str] = None) -> list[str]:
     return [*lines, ""]
 
 
-def render() -> str:
-    """The generated part of the reference page (without the markers)."""
-    from megatron.bridge.data.config import MockGPTDatasetConfig
-    from megatron.bridge.training.config import ConfigContainer
+def render(container: Optional[type] = None) -> str:
+    """The generated part of the reference page (without the markers).
 
+    Everything in it comes from the classes: each section's fields, their types and defaults from the dataclass, the
+    meaning from the docstring under each field, the status from ``field_support``; a field added to a section
+    appears with no table to extend.
+
+    Args:
+        container: the container class whose sections are listed; ``None``: ``ConfigContainer``.
+    """
+    from megatron.bridge.data.config import MockGPTDatasetConfig
+
+    container = container or _config_container()
     lines: list[str] = [f"{RELEASE_LINE}{megatron_core_release()}.", ""]
-    top_docs = _attribute_docs(ConfigContainer)
-    for f in dataclasses.fields(ConfigContainer):
+    top_docs = _attribute_docs(container)
+    for f in dataclasses.fields(container):
         if not f.init:  # filled in by validate(), not a setting
             continue
         if f.name == "env_vars":  # a top-level setting, not a section
@@ -148,20 +163,25 @@ def render() -> str:
         elif f.name in field_support.REFUSED:
             lines += [f"## `{f.name}`", "", f"Refused unless `None`: {field_support.REFUSED[f.name]}.", ""]
         else:
-            section = section_class(f.name)
+            section = section_class(f.name, container)
             off = "`None` (the default) is off." if f.default is None else "`None` is off."
             lines += _table(f.name, section, off if section is not f.type else None)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def section_class(name: str) -> type:
+def _config_container() -> type:
+    from megatron.bridge.training.config import ConfigContainer
+
+    return ConfigContainer
+
+
+def section_class(name: str, container: Optional[type] = None) -> type:
     """The dataclass whose fields the page lists for section ``name`` (``dataset``: ``MockGPTDatasetConfig``)."""
     from megatron.bridge.data.config import MockGPTDatasetConfig
-    from megatron.bridge.training.config import ConfigContainer
 
     if name == "dataset":
         return MockGPTDatasetConfig
-    f = next(f for f in dataclasses.fields(ConfigContainer) if f.name == name)
+    f = next(f for f in dataclasses.fields(container or _config_container()) if f.name == name)
     return f.type if isinstance(f.type, type) else _optional_section(f)
 
 

@@ -27,8 +27,16 @@ from megatron.bridge.utils import fs
 _SCALARS = (bool, int, float, str, type(None))
 
 
+_PUBLIC_HOME = {"megatron.bridge.training.config_sections": "megatron.bridge.training.config"}
+"""Packages whose classes are imported from elsewhere: ``config_sections`` holds sections of ``training.config``,
+where Megatron-Bridge has them, so a run config names them there (Megatron-Bridge reads it back)."""
+
+
 def _dotted_name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '') or ''}.{getattr(obj, '__qualname__', getattr(obj, '__name__', repr(obj)))}"
+    module = getattr(obj, "__module__", "") or ""
+    package = module.rpartition(".")[0]
+    module = _PUBLIC_HOME.get(package, module)
+    return f"{module}.{getattr(obj, '__qualname__', getattr(obj, '__name__', repr(obj)))}"
 
 
 def to_plain(obj: Any) -> Any:
