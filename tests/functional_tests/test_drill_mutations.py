@@ -1,10 +1,11 @@
 """The drill's equality verdict can fail: a resume that leaves one part of the state unrestored fails the drill.
 
-Each mutation is a fault of the one fault-injection registry (``skip_restore``, in the drill's schedule as
-``no-rng-restore`` and the like): as a rank loads the checkpoint of its iteration, it leaves its generators, its
-optimizer state or its data position as its fresh start made them. Short drills keep this cheap: 10 iterations with
-one restart, a preemption at 6 (its own save is the checkpoint the restart loads: no race with an async save), the
-corpus made once, and one fault-free run (the control drill's) that every mutation drill compares with.
+Each mutation is a fault kind of the one fault grammar (``no-rng-restore``, ``no-optimizer-restore``,
+``no-data-restore``, the same in the drill's schedule as in ``fault_injection.faults``): as a rank loads the
+checkpoint of its iteration, it leaves its generators, its optimizer state or its data position as its fresh start
+made them. Short drills keep this cheap: 10 iterations with one restart, a preemption at 6 (its own save is the
+checkpoint the restart loads: no race with an async save), the corpus made once, and one fault-free run (the control
+drill's) that every mutation drill compares with.
 """
 
 import json

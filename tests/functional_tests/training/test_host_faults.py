@@ -6,7 +6,7 @@ kernel's out-of-memory killer kills, a wall clock that jumps while training runs
 - OOM: rank 1 is moved into a child memory cgroup (of the test's own) with a small limit as soon as it starts; the
   ``oom`` fault makes it allocate until the kernel kills it. The kill is the kernel's (the cgroup counts it); the
   launcher names it (log line and ``fault_detected``/``out_of_memory``). The cgroup is removed afterwards.
-- Clock: ``clock_jump`` moves rank 0's wall clock 3 hours ahead and rank 1's 3 hours back, inside those two
+- Clock: ``clock-jump`` moves rank 0's wall clock 3 hours ahead and rank 1's 3 hours back, inside those two
   processes only (a real step of the system clock needs CAP_SYS_TIME and would move every test's clock on the
   machine; ``unshare --time`` offsets only the monotonic and boot clocks). With ``train.exit_duration_in_mins``, the
   liveness ping and hang attribution on, none of the ranks' own deadlines fires, training finishes, and goodput and
@@ -203,13 +203,13 @@ def test_a_wall_clock_jump_in_the_ranks_fires_none_of_their_timeouts(tmp_path):
     run = ft_launcher(
         ckpt, "train.train_iters=8", "train.exit_duration_in_mins=30", "health.liveness_ping_interval=1",
         "health.liveness_ping_timeout=20", max_restarts=0,
-        env={"MBRIDGE_FAULTS": f"clock_jump@4:0:x{HOURS},clock_jump@4:1:x-{HOURS}"}, timeout=240,
+        env={"MBRIDGE_FAULTS": f"clock-jump@4:0:x{HOURS},clock-jump@4:1:x-{HOURS}"}, timeout=240,
     )  # fmt: skip
     assert run.exit_code == 0, tail(run)  # exit_duration_in_mins against the wall clock would have stopped it (19)
     found, problems = read_events(str(ckpt / "events"))  # Run.events() keeps events after the launch by wall time
     assert problems == []
     assert sorted(e.fault for e in found if e.kind == EventKind.FAULT_INJECTED) == [
-        f"clock_jump@4:0:x{HOURS}", f"clock_jump@4:1:x-{HOURS}"]  # fmt: skip
+        f"clock-jump@4:0:x{HOURS}", f"clock-jump@4:1:x-{HOURS}"]  # fmt: skip
     # Nothing detected, nothing restarted: the ranks' liveness ping and hang watch, and the rank monitors, which saw
     # the ranks open and close their sections as before (the monitors' own clocks were not moved).
     assert [e for e in found if e.kind in (EventKind.FAULT_DETECTED, EventKind.RESTART_BEGUN)] == []

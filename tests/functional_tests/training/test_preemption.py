@@ -1,6 +1,6 @@
 """Preemption drills: SIGTERM reaches one rank; every rank stops at the same step, saves, exits 18 and resumes.
 
-The signal is real (``MBRIDGE_FAULTS=sigterm@<iteration>:<rank>``: the rank's process receives SIGTERM from the
+The signal is real (``MBRIDGE_FAULTS=preempt@<iteration>:<rank>``: the rank's process receives SIGTERM from the
 kernel while it trains); the resumed run must end bit-identical to one that was never interrupted.
 """
 
@@ -44,7 +44,7 @@ def _resumes_like_reference(ckpt, reference_tp1, resumed_from: int) -> None:
 
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(reference_tp1, tmp_path):
     ckpt = tmp_path / "ckpt"
-    run = torchrun(ckpt, HANDLER, env={"MBRIDGE_FAULTS": "sigterm@5:1"})
+    run = torchrun(ckpt, HANDLER, env={"MBRIDGE_FAULTS": "preempt@5:1"})
     assert run.exit_code == 18, tail(run)  # ExitCode.PREEMPTED
     assert "[rank1] WARNING megatron.bridge.training.utils.sig_utils: Received signal 15, initiating graceful stop" in (
         run.output
@@ -62,7 +62,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(reference_tp1, tmp
 def test_async_saves_in_flight_are_finished_before_the_preemption_save(reference_tp1, tmp_path):
     ckpt = tmp_path / "ckpt"
     # The async save of 3 is scheduled right before the signal reaches rank 1 at the start of step 4.
-    run = torchrun(ckpt, HANDLER, "checkpoint.async_save=true", env={"MBRIDGE_FAULTS": "sigterm@4:1"})
+    run = torchrun(ckpt, HANDLER, "checkpoint.async_save=true", env={"MBRIDGE_FAULTS": "preempt@4:1"})
     assert run.exit_code == 18, tail(run)
     _stopped_at(run, 4)
     lines = [x for x in run.output.splitlines() if x.startswith("20") and "[rank0]" in x]
@@ -78,14 +78,14 @@ def test_async_saves_in_flight_are_finished_before_the_preemption_save(reference
 
 
 def test_without_the_handler_the_signal_is_not_trapped(tmp_path):
-    run = torchrun(tmp_path / "ckpt", env={"MBRIDGE_FAULTS": "sigterm@5:1"})
+    run = torchrun(tmp_path / "ckpt", env={"MBRIDGE_FAULTS": "preempt@5:1"})
     assert run.exit_code == 128 + 15, tail(run)  # killed by SIGTERM, as without this framework
     assert "Preemption detected" not in run.output
 
 
 def test_save_past_the_deadline_exits_and_the_previous_checkpoint_stays(reference_tp1, tmp_path):
     ckpt = tmp_path / "ckpt"
-    env = {"MBRIDGE_FAULTS": "sigterm@5:1,stall@5:1:save.during_write"}
+    env = {"MBRIDGE_FAULTS": "preempt@5:1,stall@5:1:save.during_write"}
     run = torchrun(ckpt, HANDLER, "train.exit_signal_deadline=4", env=env)
     assert run.exit_code == 18, tail(run)
     assert "did not finish within train.exit_signal_deadline=4.0 s" in run.output, tail(run)
@@ -97,7 +97,7 @@ def test_save_past_the_deadline_exits_and_the_previous_checkpoint_stays(referenc
 
 def test_signal_to_the_whole_process_tree_still_saves_when_workers_are_protected(tmp_path):
     workers = ("dataset.num_workers=1", HANDLER)
-    unprotected = torchrun(tmp_path / "a", *workers, env={"MBRIDGE_FAULTS": "sigterm-tree@5:1"})
+    unprotected = torchrun(tmp_path / "a", *workers, env={"MBRIDGE_FAULTS": "preempt-tree@5:1"})
     # Crashed: its data-loader worker died on the signal; the signal, which no step boundary could act on any more,
     # then ends the process as it would without the handler.
     assert unprotected.exit_code == 128 + 15, tail(unprotected)
@@ -106,7 +106,7 @@ def test_signal_to_the_whole_process_tree_still_saves_when_workers_are_protected
         tmp_path / "b",
         *workers,
         "train.exit_signal_handler_for_dataloader=true",
-        env={"MBRIDGE_FAULTS": "sigterm-tree@5:1"},
+        env={"MBRIDGE_FAULTS": "preempt-tree@5:1"},
     )
     assert protected.exit_code == 18, tail(protected)
     _stopped_at(protected, 5)

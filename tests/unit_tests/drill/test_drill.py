@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from megatron.bridge.drill import events, report, schedule
-from megatron.bridge.drill.schedule import DrillFault, Plan
+from megatron.bridge.drill.schedule import Plan
 from megatron.bridge.training.checkpoint import compare
 from megatron.bridge.training.checkpoint.compare import PartCount
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind, EventWriter, Mechanism, Process, RestartLayer
+from megatron.bridge.training.faults import spec as fault_spec
+from megatron.bridge.training.faults.spec import Fault
 from megatron.bridge.utils import provenance
 
 PLAN = Plan(train_iters=100, nproc=2, save_interval=20, local_interval=5, max_restarts=6)
@@ -55,9 +57,8 @@ class Run:
         return self.at(seconds, 0, EventKind.CHECKPOINT_LOADED, iteration=iteration, tier=tier, seconds=took)
 
     def strike(self, seconds, fault):
-        kind = schedule.ledger_kind(fault)
-        return self.at(seconds, fault.rank, EventKind.FAULT_INJECTED, rank=fault.rank, fault_kind=kind,
-                       iteration=fault.iteration, phase=schedule.worker_fault(fault).phase)  # fmt: skip
+        return self.at(seconds, fault.rank, EventKind.FAULT_INJECTED, rank=fault.rank, fault_kind=fault.kind,
+                       iteration=fault.iteration, phase=fault.phase)  # fmt: skip
 
     def detect(self, when, mechanism, who=0, **fields):
         return self.at(when, who, EventKind.FAULT_DETECTED, mechanism=mechanism, **fields)
@@ -84,7 +85,7 @@ def _kill_run(tmp_path, monkeypatch) -> Run:
     run = Run(tmp_path, monkeypatch).attempt(9.5)
     for i in range(1, 6):
         run.step(10.0 + i, i)
-    run.strike(15.5, DrillFault("kill", 6, 1)).worker_died(15.6, 1).relaunch(15.7, 1)
+    run.strike(15.5, Fault("kill", 6, 1)).worker_died(15.6, 1).relaunch(15.7, 1)
     run.attempt(18.0, restart_count=1).load(30.0, 4, tier="local", took=1.0)
     return run.step(30.5, 5).step(31.0, 6)
 
@@ -94,8 +95,9 @@ def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
     assert sorted(f.kind for f in faults) == sorted(set(schedule.KINDS) - {"hang"})
     assert [f.iteration for f in faults] == sorted(f.iteration for f in faults)
     schedule.check(faults, PLAN)
-    assert schedule.worker_faults(faults) == "nan@12:1,kill@27:1,sigterm@38:0,corrupt@45:1,stall@47:1,slow@48:1:x6"
-    assert schedule.parse("slow@48:1")[0].factor == 6.0  # the drill's default straggler: six times slower
+    assert schedule.worker_faults(faults) == schedule.DEFAULT  # the schedule is the training processes' fault spec
+    assert faults == fault_spec.parse(schedule.DEFAULT)  # read by the one parser, kinds and all
+    assert [f.factor for f in faults if f.kind == "slow"] == [6.0]  # the drill's straggler: six times slower
 
 
 @pytest.mark.parametrize(
@@ -105,13 +107,22 @@ def test_default_schedule_has_one_fault_of_each_kind_and_plays_out():
         ("kill@0:1", "bad item"),
         ("kill@3", "bad item"),
         ("kill@3:1:x2", "bad item"),
-        ("slow@3:1:x200", "bad item"),
+        ("slow@3:1:x200", r"bad item 'slow@3:1:x200': x200 is outside the drill's x4 to x100"),
+        ("slow@3:1", r"x2 is outside .*\. Fix: give a factor, e.g. slow@3:1:x6"),  # the registry's default x2
         ("kill@5:1,hang@5:0", "same iteration"),
+        ("sigterm@5:0", "unknown kind 'sigterm'"),  # one name per kind, in the drill as everywhere: preempt
+        ("exception@5:0", "the drill cannot tell what detects and recovers 'exception'"),
+        ("kill@5s:0", "at an iteration, not after a time"),
+        ("kill@5:0:always", r"in its kind's phase \(step\): no options"),
+        ("kill@5:0:save.during_write", "no options"),
     ],
 )
 def test_bad_schedules_are_rejected_when_parsed(spec, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         schedule.parse(spec)
+    assert str(err.value).startswith("--faults: "), str(err.value)
+    if "bad item" in str(err.value) and "slow" not in spec:  # the fix names the kinds a drill takes
+        assert "corrupt-local" in str(err.value) and "no-rng-restore" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -157,7 +168,7 @@ def test_a_fault_that_never_struck_or_was_never_detected_is_not_ok(tmp_path, mon
     run = _kill_run(tmp_path, monkeypatch)
     never = events.outcomes(run.timeline(), schedule.parse("kill@7:1"))
     assert not never[0].ok and never[0].struck is None
-    run.strike(16.0, DrillFault("hang", 3, 1))
+    run.strike(16.0, Fault("hang", 3, 1))
     timeline = run.timeline()
     undetected = events.outcomes(timeline, schedule.parse("hang@3:1"))
     assert undetected[0].struck is not None and undetected[0].detected is None and not undetected[0].ok
@@ -166,7 +177,7 @@ def test_a_fault_that_never_struck_or_was_never_detected_is_not_ok(tmp_path, mon
 
 
 def test_a_transient_nan_is_recovered_in_place(tmp_path, monkeypatch):
-    run = Run(tmp_path, monkeypatch).attempt(0.5).step(1.0, 11).strike(1.2, DrillFault("nan", 12, 1))
+    run = Run(tmp_path, monkeypatch).attempt(0.5).step(1.0, 11).strike(1.2, Fault("nan", 12, 1))
     run.detect(1.25, Mechanism.RERUN_NAN, who=1, rank=1, iteration=12).step(1.6, 12)
     (outcome,) = events.outcomes(run.timeline(), schedule.parse("nan@12:1"))
     assert outcome.ok and outcome.restart is None and outcome.steps_lost == 0
@@ -174,7 +185,7 @@ def test_a_transient_nan_is_recovered_in_place(tmp_path, monkeypatch):
 
 
 def test_a_corrupted_local_checkpoint_counts_the_steps_the_fallback_lost(tmp_path, monkeypatch):
-    run = Run(tmp_path, monkeypatch).attempt(0.2).strike(0.5, DrillFault("corrupt-local", 45, 1)).step(1.0, 47)
+    run = Run(tmp_path, monkeypatch).attempt(0.2).strike(0.5, Fault("corrupt-local", 45, 1)).step(1.0, 47)
     run.worker_died(2.9, 1).relaunch(3.0, 1).attempt(15.0, restart_count=1)
     run.detect(20.0, Mechanism.LOCAL_CHECKPOINT_HASH, rank=None, iteration=45, tier="local")
     run.load(20.5, 40).step(21.0, 41)
@@ -207,7 +218,7 @@ def test_the_report_says_failed_when_a_fault_was_missed_or_the_state_differs(tmp
     assert not report.DrillResult(found, timeline, 1, 40.0, 20.0, None, equal=True).passed
     spurious = report.DrillResult(found, timeline, 0, 40.0, 20.0, None, equal=True, unexplained_restarts=[T0 + 30])
     assert not spurious.passed and "restarts no scheduled fault explains" in report.goodput_lines(spurious)[-1]
-    missed = events.outcomes(timeline, [DrillFault("hang", 3, 1)])
+    missed = events.outcomes(timeline, [Fault("hang", 3, 1)])
     failed = report.DrillResult(missed, timeline, 0, 40.0, 20.0, None, equal=True)
     assert not failed.passed and "**not detected**" in report.fault_table(failed)
     assert "**unexplained**" in report.fault_table(failed)
@@ -219,7 +230,7 @@ def test_an_undetected_slow_rank_is_reported_with_the_scores_it_got(tmp_path, mo
     run = Run(tmp_path, monkeypatch).attempt(0.5)
     for seconds, iteration, score in ((1.0, 56, 1.0), (3.0, 70, 0.92), (5.0, 84, 0.41)):
         run.at(seconds, 0, EventKind.STRAGGLER_REPORT, iteration=iteration, relative_scores={0: 1.0, 1: score})
-    run.strike(1.5, DrillFault("slow", 60, 1)).step(1.5, 60)
+    run.strike(1.5, Fault("slow", 60, 1, factor=6.0)).step(1.5, 60)
     timeline = run.timeline()
     assert [(it, scores) for _, it, scores in timeline.straggler_reports] == [
         (56, {0: 1.0, 1: 1.0}),
@@ -273,8 +284,10 @@ def _steps_60_to_69(run: Run) -> Run:
 def test_a_restart_is_claimed_by_one_fault_only_and_within_its_window(tmp_path, monkeypatch):
     # The straggler is reported but never stops the job; the kill's restart must not be credited to it.
     run = _steps_60_to_69(Run(tmp_path, monkeypatch))
-    run.strike(1.0, DrillFault("slow", 60, 1)).detect(2.0, Mechanism.STRAGGLER_SCORE, rank=1, score=0.1, threshold=0.3)
-    run.strike(3.0, DrillFault("kill", 70, 0)).worker_died(3.05, 0).relaunch(3.1, 1)
+    run.strike(1.0, Fault("slow", 60, 1, factor=6.0)).detect(
+        2.0, Mechanism.STRAGGLER_SCORE, rank=1, score=0.1, threshold=0.3
+    )
+    run.strike(3.0, Fault("kill", 70, 0)).worker_died(3.05, 0).relaunch(3.1, 1)
     run.attempt(8.0, restart_count=1).load(9.0, 60).step(9.5, 61)
     slow, kill = events.outcomes(run.timeline(), schedule.parse("slow@60:1:x6,kill@70:0"))
     assert slow.detected is not None and slow.restart is None and not slow.ok
@@ -283,14 +296,14 @@ def test_a_restart_is_claimed_by_one_fault_only_and_within_its_window(tmp_path, 
 
 def test_another_ranks_exit_or_a_planned_exit_is_not_the_detection_of_a_kill_or_a_hang(tmp_path, monkeypatch):
     run = _steps_60_to_69(Run(tmp_path, monkeypatch))
-    run.strike(3.0, DrillFault("kill", 70, 1)).worker_died(3.05, 0, exit_code=-9)
-    run.strike(3.1, DrillFault("stall", 71, 1)).worker_died(3.2, 1, exit_code=21)  # a straggler stop: exit 21
+    run.strike(3.0, Fault("kill", 70, 1)).worker_died(3.05, 0, exit_code=-9)
+    run.strike(3.1, Fault("stall", 71, 1)).worker_died(3.2, 1, exit_code=21)  # a straggler stop: exit 21
     kill, stall = events.outcomes(run.timeline(), schedule.parse("kill@70:1,stall@71:1"))
     assert kill.detected is None and stall.detected is None
 
 
 def test_a_nan_followed_by_a_restart_was_not_recovered_in_place(tmp_path, monkeypatch):
-    run = Run(tmp_path, monkeypatch).attempt(0.5).strike(1.2, DrillFault("nan", 12, 1))
+    run = Run(tmp_path, monkeypatch).attempt(0.5).strike(1.2, Fault("nan", 12, 1))
     run.detect(1.25, Mechanism.RERUN_NAN, who=1, rank=1, iteration=12).relaunch(2.0, 1)
     run.attempt(8.0, restart_count=1).step(9.0, 12)
     (nan,) = events.outcomes(run.timeline(), schedule.parse("nan@12:1"))
@@ -301,7 +314,7 @@ def test_a_hang_after_a_corrupted_local_checkpoint_loses_only_its_own_steps(tmp_
     run = Run(tmp_path, monkeypatch).attempt(0.5)
     for i in range(8):  # up to iteration 47
         run.step(1.0 + 0.1 * i, 40 + i)
-    run.strike(1.55, DrillFault("corrupt-local", 45, 1)).strike(2.0, DrillFault("hang", 48, 1))
+    run.strike(1.55, Fault("corrupt-local", 45, 1)).strike(2.0, Fault("hang", 48, 1))
     run.detect(3.0, Mechanism.RANK_MONITOR_SECTION_TIMEOUT, "launcher", rank=1, section="step", seconds=1.71,
                timeout=0.9)  # fmt: skip
     run.worker_died(3.1, 1).relaunch(3.2, 1).attempt(8.0, restart_count=1)
@@ -314,7 +327,7 @@ def test_a_hang_after_a_corrupted_local_checkpoint_loses_only_its_own_steps(tmp_
 
 
 def test_a_hang_is_detected_by_whichever_rank_monitor_fires_first(tmp_path, monkeypatch):
-    run = Run(tmp_path, monkeypatch).attempt(0.5).step(1.0, 46).strike(1.1, DrillFault("hang", 47, 1))
+    run = Run(tmp_path, monkeypatch).attempt(0.5).step(1.0, 46).strike(1.1, Fault("hang", 47, 1))
     run.detect(6.6, Mechanism.RANK_MONITOR_SECTION_TIMEOUT, "launcher", rank=0, section="step")
     run.worker_died(6.65, 0).relaunch(6.7, 1).attempt(9.0, restart_count=1).load(9.5, 40).step(10.0, 41)
     timeline = run.timeline()
@@ -327,7 +340,7 @@ def test_a_stall_is_recovered_by_an_in_process_restart_in_the_same_processes(tmp
     run = Run(tmp_path, monkeypatch).attempt(0.5)
     for i in range(7):  # up to iteration 46
         run.step(1.0 + 0.1 * i, 40 + i)
-    run.strike(1.55, DrillFault("corrupt-local", 45, 1)).strike(1.8, DrillFault("stall", 47, 1))
+    run.strike(1.55, Fault("corrupt-local", 45, 1)).strike(1.8, Fault("stall", 47, 1))
     run.detect(7.8, Mechanism.INPROCESS_SOFT_TIMEOUT, who=1, rank=1, detail="Interruption.SOFT_TIMEOUT")
     for rank, at in ((1, 7.9), (0, 8.0)):  # every rank reports the restart: one restart
         run.at(at, rank, EventKind.RESTART_BEGUN, layer=RestartLayer.IN_PROCESS, inprocess_iteration=1)
@@ -369,19 +382,19 @@ def test_the_drill_refuses_overrides_it_controls_and_a_folder_that_is_not_its_ow
     assert cli.main(["--run-dir", str(tmp_path / "c"), "--faults", "melt@3:0"]) == 2
 
 
-@pytest.mark.parametrize("spec", ["slow@90:1:x6", "slow@81:1"])
+@pytest.mark.parametrize("spec", ["slow@90:1:x6", "slow@81:1:x4"])
 def test_a_slow_rank_needs_room_to_be_found(spec):
     with pytest.raises(ValueError, match="at most iteration 80"):
         schedule.check(schedule.parse(spec), PLAN)
     with pytest.raises(ValueError, match="2 or more ranks"):
-        schedule.check(schedule.parse("slow@20:0"), Plan(100, 1, 20, 5, 6))
+        schedule.check(schedule.parse("slow@20:0:x6"), Plan(100, 1, 20, 5, 6))
 
 
 def test_a_survivors_in_process_restart_cut_short_by_the_launchers_stop_belongs_to_the_kill(tmp_path, monkeypatch):
     run = Run(tmp_path, monkeypatch).attempt(9.5)
     for i in range(1, 6):
         run.step(10.0 + i, i)
-    run.strike(15.5, DrillFault("kill", 6, 1)).worker_died(15.6, 1)
+    run.strike(15.5, Fault("kill", 6, 1)).worker_died(15.6, 1)
     run.at(15.7, "launcher", EventKind.RESTART_BEGUN, layer=RestartLayer.IN_JOB, restart_count=1)
     # Rank 0's wrapper saw its peer die and began restarting in place; the launcher's stop ended it (no end event).
     run.detect(15.8, Mechanism.INPROCESS_DEAD_PEER, 0, rank=1)
@@ -405,9 +418,7 @@ def test_a_survivors_in_process_restart_cut_short_by_the_launchers_stop_belongs_
 def test_a_mutation_is_a_skipped_restore_at_a_checkpoint_a_restart_loads():
     faults = schedule.parse("preempt@38:0,no-rng-restore@38:1,no-data-restore@38:0")  # a preemption's own save
     schedule.check(faults, PLAN)
-    assert schedule.worker_faults(faults) == (
-        "sigterm@38:0,skip_restore@38:1:restore.rng,skip_restore@38:0:restore.data"
-    )
+    assert schedule.worker_faults(faults) == "preempt@38:0,no-rng-restore@38:1,no-data-restore@38:0"
     schedule.check(schedule.parse("no-optimizer-restore@25:1,kill@27:1"), PLAN)  # the local save of 25, then a kill
     with pytest.raises(ValueError, match="none would: schedule preempt@26"):
         schedule.check(schedule.parse("no-optimizer-restore@26:1,kill@27:1"), PLAN)  # no checkpoint of 26
@@ -420,7 +431,7 @@ def test_a_mutation_is_a_skipped_restore_at_a_checkpoint_a_restart_loads():
 def test_a_mutation_is_matched_by_its_part_and_left_out_of_the_fault_table(tmp_path, monkeypatch):
     run = _kill_run(tmp_path, monkeypatch)
     faults = schedule.parse("kill@6:1,no-rng-restore@4:1,no-data-restore@4:1")
-    run.strike(18.5, DrillFault("no-rng-restore", 4, 1))  # only the RNG one struck (at the load of 4, rank 1)
+    run.strike(18.5, Fault("no-rng-restore", 4, 1))  # only the RNG one struck (at the load of 4, rank 1)
     timeline = run.timeline()
     found, mutations = events.outcomes(timeline, faults), events.mutation_outcomes(timeline, faults)
     assert [o.fault.label for o in found] == ["kill@6:1"] and found[0].ok

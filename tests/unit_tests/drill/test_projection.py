@@ -23,8 +23,8 @@ from megatron.bridge.drill.projection_model import (
     waste,
     young,
 )
-from megatron.bridge.drill.schedule import DrillFault
 from megatron.bridge.training.events.goodput import GoodputTracker
+from megatron.bridge.training.faults.spec import Fault
 
 T0 = 1_700_000_000.0
 
@@ -188,12 +188,12 @@ def _summary(tmp_path, attempts: int) -> dict:
 def _drill_report(tmp_path, goodput_summary):
     """A drill_report.json written by the drill's own report module."""
     outcomes = [
-        Outcome(DrillFault("nan", 12, 1), struck=T0 + 4.3, detected=T0 + 4.3, recovered=T0 + 4.5, steps_lost=0),
-        Outcome(DrillFault("kill", 27, 1), T0 + 6.6, T0 + 6.7, T0 + 7.74, resumed_from=25, steps_lost=1),
-        Outcome(DrillFault("preempt", 38, 0), T0 + 9.5, T0 + 9.63, T0 + 11.46, resumed_from=38, steps_lost=0),
-        Outcome(DrillFault("hang", 47, 1), T0 + 12.7, T0 + 18.28, T0 + 19.80, resumed_from=40, steps_lost=1),
-        Outcome(DrillFault("stall", 52, 1), T0 + 21.0, T0 + 23.5, T0 + 24.25, resumed_from=50, steps_lost=2),
-        Outcome(DrillFault("hang", 60, 0), T0 + 30.0),  # never detected: no figure to average
+        Outcome(Fault("nan", 12, 1), struck=T0 + 4.3, detected=T0 + 4.3, recovered=T0 + 4.5, steps_lost=0),
+        Outcome(Fault("kill", 27, 1), T0 + 6.6, T0 + 6.7, T0 + 7.74, resumed_from=25, steps_lost=1),
+        Outcome(Fault("preempt", 38, 0), T0 + 9.5, T0 + 9.63, T0 + 11.46, resumed_from=38, steps_lost=0),
+        Outcome(Fault("hang", 47, 1), T0 + 12.7, T0 + 18.28, T0 + 19.80, resumed_from=40, steps_lost=1),
+        Outcome(Fault("stall", 52, 1), T0 + 21.0, T0 + 23.5, T0 + 24.25, resumed_from=50, steps_lost=2),
+        Outcome(Fault("hang", 60, 0), T0 + 30.0),  # never detected: no figure to average
     ]
     result = report.DrillResult(outcomes, Timeline(start=T0), 0, 60.8, 28.9, goodput_summary, True)
     path = tmp_path / "drill_report.json"

@@ -5,8 +5,11 @@ registry, the ledger spans restarts, ``ft.simulate_fault*`` becomes a timed faul
 spec from the config or the environment by name.
 """
 
+import ast
 import logging
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +35,7 @@ def _faults(spec: str, rank: int, **registry_args) -> StepFaults:
 
 
 def test_parse_accepts_every_kind_and_option():
-    assert parse("sigterm@4:1,sigterm-tree@6:0") == [Fault("sigterm", 4, 1), Fault("sigterm-tree", 6, 0)]
+    assert parse("preempt@4:1,preempt-tree@6:0") == [Fault("preempt", 4, 1), Fault("preempt-tree", 6, 0)]
     assert parse("stall@5:1:always") == [Fault("stall", 5, 1, always=True)]
     assert parse("hang@3:1, kill@5:0:always,slow@1:1,slow@2:0:x3.5:always") == [
         Fault("hang", 3, 1),
@@ -48,7 +51,7 @@ def test_parse_accepts_every_kind_and_option():
 
 
 def test_every_kind_has_its_default_phase_and_parses_in_each_of_its_phases():
-    assert [f.phase for f in parse("hang@1:0,kill@1:0,exception@1:0,sigterm@1:0,sigterm-tree@1:0,stall@1:0")] == [
+    assert [f.phase for f in parse("hang@1:0,kill@1:0,exception@1:0,preempt@1:0,preempt-tree@1:0,stall@1:0")] == [
         "step"
     ] * 6
     assert [f.phase for f in parse("slow@1:0,nan@1:0,spike@1:0")] == ["forward"] * 3
@@ -62,7 +65,7 @@ def test_every_kind_has_its_default_phase_and_parses_in_each_of_its_phases():
     for kind, phases in fault_injection.PHASES.items():
         for phase in phases:
             when = "3s" if phase == "timer" else "3"
-            phase = phase + {"save.": "after_tracker", "restore.": "rng"}.get(phase, "")
+            phase = phase + {"save.": "after_tracker"}.get(phase, "")
             [fault] = parse(f"{kind}@{when}:0:{phase}")
             assert (fault.kind, fault.phase, fault.rank) == (kind, phase, 0)
 
@@ -82,7 +85,10 @@ def test_every_kind_has_its_default_phase_and_parses_in_each_of_its_phases():
         "nan@8:0:local_save",
         "hang@4s:1",
         "kill@0.25s:0:always",
-        "sigterm-tree@5:1",
+        "preempt-tree@5:1",
+        "corrupt-local@45:1",
+        "no-rng-restore@6:1",
+        "clock-jump@4:0:x-2.5",
     ],
 )
 def test_specs_round_trip(spec):
@@ -137,7 +143,7 @@ def test_a_fault_given_twice_is_rejected():
         ("hang@1:0:sometimes", "option 'sometimes' is unknown"),
         ("hang@1:0:always:always", "option 'always' is unknown or given twice"),
         ("kill@1:0:step:save.during_write", "option 'save.during_write' is unknown or given twice"),
-        ("kill@1:0:x2", "x<factor> is only for slow and spike"),
+        ("kill@1:0:x2", "x<factor> is only for slow, spike, clock-jump"),
         ("slow@1:0:x1", "factor 1 is not in (1, 1000)"),
         ("slow@1:0:xfast", "factor 'xfast' is not x<number>"),
         ("exception@1:0:forward", "exception cannot strike in phase 'forward'"),
@@ -148,9 +154,11 @@ def test_a_fault_given_twice_is_rejected():
         ("kill@4:0:timer", "a <seconds>s time goes with phase timer"),
         ("kill@4s:0:step", "a <seconds>s time goes with phase timer"),
         ("kill@-1s:0", "time -1.0s is not a number of seconds >= 0"),
-        ("skip_restore@5:1", "skip_restore needs its phase restore.<part> (parts: rng, optimizer, data)"),
-        ("skip_restore@5:1:restore.model", "unknown part 'restore.model'"),
-        ("kill@5:1:restore.rng", "kill cannot strike in phase 'restore.rng'"),
+        ("sigterm@5:1", "unknown kind 'sigterm'"),  # one name per kind: preempt
+        ("no-model-restore@5:1", "unknown kind 'no-model-restore'"),
+        ("no-rng-restore@5:1:restore.rng", "option 'restore.rng' is unknown"),
+        ("kill@5:1:restore", "kill cannot strike in phase 'restore'"),
+        ("no-rng-restore@5:1:step", "no-rng-restore cannot strike in phase 'step' (its phases: restore)"),
     ],
 )
 def test_a_malformed_item_is_named_with_its_bad_part_and_the_expected_form(spec, bad_part):
@@ -159,7 +167,7 @@ def test_a_malformed_item_is_named_with_its_bad_part_and_the_expected_form(spec,
     message = str(err.value)
     assert message.startswith(f"fault_injection.faults: bad item {spec!r}: "), message
     assert bad_part in message, message
-    assert fault_injection.GRAMMAR in message and "sigterm-tree" in message  # the form and the kinds
+    assert fault_injection.GRAMMAR in message and ", ".join(fault_injection.KINDS) in message  # form and kinds
 
 
 def test_slow_fault_adds_a_multiple_of_the_median_recent_forward_time(monkeypatch):
@@ -300,8 +308,9 @@ def test_a_poisoned_local_save_is_due_once_on_its_rank_and_iteration(tmp_path, m
 
 def test_a_skipped_restore_is_due_once_at_the_load_of_its_iteration_on_its_rank(tmp_path, monkeypatch, caplog):
     ledger = str(tmp_path / "ledger.jsonl")
-    spec = "skip_restore@6:1:restore.rng,skip_restore@6:1:restore.data,skip_restore@10:0:restore.optimizer"
-    assert [str(f) for f in parse(spec)] == spec.split(",")  # the part is always written out
+    spec = "no-rng-restore@6:1,no-data-restore@6:1,no-optimizer-restore@10:0"
+    assert [(f.kind, f.phase) for f in parse(spec)] == [(k, "restore") for k in spec.replace("@", ",").split(",")[::2]]
+    assert [str(f) for f in parse(spec)] == spec.split(",")
     fault_injection.install(FaultInjectionConfig(faults=spec, ledger=ledger))
     assert fault_injection.skipped_restores(rank=0, iteration=6) == frozenset()
     assert fault_injection.skipped_restores(rank=1, iteration=5) == frozenset()
@@ -321,15 +330,15 @@ def test_a_written_local_checkpoint_is_corrupted_once_in_its_middle(tmp_path):
     shard.write_bytes(payload)
     other.write_bytes(payload)
     ledger = str(tmp_path / "ledger.jsonl")
-    fault_injection.install(FaultInjectionConfig(faults="corrupt@45:1,nan@45:1:local_save", ledger=ledger))
-    assert parse("corrupt@45:1") == [Fault("corrupt", 45, 1, phase="local_save")]
+    fault_injection.install(FaultInjectionConfig(faults="corrupt-local@45:1,nan@45:1:local_save", ledger=ledger))
+    assert parse("corrupt-local@45:1") == [Fault("corrupt-local", 45, 1, phase="local_save")]
     fault_injection.corrupt_written_local_checkpoint(0, 45, lambda: str(shard))  # another rank
     fault_injection.corrupt_written_local_checkpoint(1, 40, lambda: str(other))  # another iteration
     assert shard.read_bytes() == payload and other.read_bytes() == payload
     fault_injection.corrupt_written_local_checkpoint(1, 45, lambda: str(shard))
     changed = [i for i, (a, b) in enumerate(zip(payload, shard.read_bytes())) if a != b]
     assert len(changed) == 64 and changed[0] == len(payload) // 2
-    assert [r["kind"] for r in fault_injection.struck_faults(ledger)] == ["corrupt"]
+    assert [r["kind"] for r in fault_injection.struck_faults(ledger)] == ["corrupt-local"]
     fault_injection.corrupt_written_local_checkpoint(1, 45, lambda: str(shard))  # once
     assert len([i for i, (a, b) in enumerate(zip(payload, shard.read_bytes())) if a != b]) == 64
     assert fault_injection.poisons_local_save(rank=1, iteration=45), "the NaN fault of that save is still due"
@@ -445,3 +454,35 @@ def test_simulated_fault_off_adds_nothing():
     installed = fault_injection.install(FaultInjectionConfig())
     assert maybe_setup_simulated_fault(cfg.ft, seed=1, world_size=2) == [] and installed.faults == []
     assert maybe_setup_simulated_fault(None) == []  # no ft section at all
+
+
+def test_a_bad_simulated_fault_is_named_as_from_ft_simulate_fault():
+    ft = SimpleNamespace(enable_ft_package=True, simulate_fault=True, simulated_fault_type="rank_killed",
+                         simulated_fault_rank=0, simulated_fault_base_delay=-2)  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        maybe_setup_simulated_fault(ft, world_size=2)
+    message = str(err.value)
+    assert message.startswith("ft.simulate_fault (") and "bad item 'kill@-2.0s:0'" in message, message
+    assert "time -2.0s is not a number of seconds >= 0" in message and "preempt" in message, message
+
+
+def test_the_faults_package_imports_neither_the_config_nor_another_feature():
+    allowed = (
+        "megatron.bridge.training.faults",
+        "megatron.bridge.training.events.stream",
+        "megatron.bridge.training.callbacks",  # the loop's hooks and a run's components: the framework, no feature
+        "megatron.bridge.training.components",
+        "megatron.bridge.utils",
+    )
+    package = Path(fault_injection.__file__).parent
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron"):
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names if alias.name.startswith("megatron")]
+            else:
+                continue
+            for name in names:
+                assert name.startswith(allowed), f"{path.name} imports {name}"
+                assert not name.startswith("megatron.bridge.training.config"), f"{path.name} imports {name}"

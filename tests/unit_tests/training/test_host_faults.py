@@ -1,6 +1,6 @@
 """Host and launch faults, our logic alone: the rendezvous-port probe and its message, the mapping of the store's own
 errors to exit 28, the OOM verdict from the kernel's records, the ``out_of_memory`` event, the ``oom`` and
-``clock_jump`` fault kinds. The real things (a held port, a kernel OOM kill, a clock jump) are drilled in
+``clock-jump`` fault kinds. The real things (a held port, a kernel OOM kill, a clock jump) are drilled in
 ``tests/functional_tests/training/test_host_faults.py``."""
 
 import os
@@ -386,11 +386,11 @@ def test_a_verdict_that_fails_never_fails_the_launcher(tmp_path):
 @pytest.mark.timeout(30)
 def test_the_oom_and_clock_jump_kinds_parse_and_round_trip():
     assert parse("oom@3:1") == [Fault("oom", 3, 1, phase="step")]
-    assert parse("clock_jump@4:0:x3") == [Fault("clock_jump", 4, 0, factor=3.0)]
-    for spec in ("oom@3:1", "clock_jump@4:0:x3", "clock_jump@2:1:x-2.5", "clock_jump@5:0"):
+    assert parse("clock-jump@4:0:x3") == [Fault("clock-jump", 4, 0, factor=3.0)]
+    for spec in ("oom@3:1", "clock-jump@4:0:x3", "clock-jump@2:1:x-2.5", "clock-jump@5:0"):
         [fault] = parse(spec)
         assert str(fault) == spec and parse(str(fault)) == [fault]
-    for bad in ("oom@3:1:x2", "clock_jump@4:0:x0", "clock_jump@4:0:x20000", "oom@3:1:forward"):
+    for bad in ("oom@3:1:x2", "clock-jump@4:0:x0", "clock-jump@4:0:x20000", "oom@3:1:forward"):
         with pytest.raises(ValueError, match="bad item"):
             parse(bad)
 
@@ -400,7 +400,7 @@ def test_a_clock_jump_moves_the_wall_clock_only(monkeypatch):
     monkeypatch.setattr(time, "time", time.time)  # restored after the test
     monkeypatch.setattr(time, "time_ns", time.time_ns)
     wall, mono = time.time(), time.monotonic()
-    fault_injection.strike("clock_jump", "iteration 4", factor=2.0)
+    fault_injection.strike("clock-jump", "iteration 4", factor=2.0)
     assert 2 * 3600 - 5 < time.time() - wall < 2 * 3600 + 5
     assert abs(time.time_ns() / 1e9 - time.time()) < 1
     assert time.monotonic() - mono < 5

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from megatron.bridge.drill import events, report, runner, schedule
-from megatron.bridge.drill.schedule import DrillFault, Plan
+from megatron.bridge.drill.schedule import Plan
 from megatron.bridge.training.config_checks.resiliency import INPROCESS_ENV
-from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.training.faults import spec as fault_spec
+from megatron.bridge.training.faults.spec import Fault
 from megatron.bridge.utils import provenance
 
 if TYPE_CHECKING:  # the comparison imports torch: only when the drill compares
@@ -58,9 +59,11 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--faults",
         default="default",
-        help=f"<kind>@<iteration>:<rank>[:x<factor>],... with kind in {', '.join(schedule.KINDS)} (x<factor>: slow "
-        f"only), or a mutation ({', '.join(schedule.MUTATIONS)}: a resume that leaves that part unrestored, to show "
-        f"that the comparison catches it); 'default' ({schedule.DEFAULT}) or 'none'",
+        help=f"a fault spec, as fault_injection.faults and ${fault_spec.ENV} take it: "
+        f"<kind>@<iteration>:<rank>[:x<factor>],... with kind in {', '.join(schedule.KINDS)} (x<factor>: slow only, "
+        f"{schedule.SLOW_MIN_FACTOR:g} to {schedule.SLOW_MAX_FACTOR:g}), or a mutation "
+        f"({', '.join(schedule.MUTATIONS)}: a resume that leaves that part unrestored, to show that the comparison "
+        f"catches it); 'default' ({schedule.DEFAULT}) or 'none'",
     )
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
@@ -204,8 +207,8 @@ def training_overrides(args: argparse.Namespace, run: Path, tensorboard: Path) -
         "ft.enable_ft_package=true", "ft.calc_ft_timeouts=true",
         "rerun_state_machine.rerun_mode=validate_results",
         "nvrx_straggler.enabled=true", "nvrx_straggler.report_time_interval=1", "nvrx_straggler.stop_if_detected=true",
-        "nvrx_straggler.gpu_relative_perf_threshold=0.3", "nvrx_straggler.calc_individual_gpu_perf=false",
-        "nvrx_straggler.stop_after_consecutive_reports=2",
+        f"nvrx_straggler.gpu_relative_perf_threshold={schedule.STRAGGLER_THRESHOLD}",
+        "nvrx_straggler.calc_individual_gpu_perf=false", "nvrx_straggler.stop_after_consecutive_reports=2",
         "train.exit_signal_handler=true",
         "health.liveness_ping_interval=10", "health.liveness_ping_timeout=30",
         "inprocess_restart.enabled=true", "inprocess_restart.max_iterations=4",
@@ -223,7 +226,7 @@ def _train(
     args: argparse.Namespace,
     run: Path,
     label: str,
-    faults: list[DrillFault],
+    faults: list[Fault],
     overrides: list[str],
     max_restarts: int,
 ) -> tuple[int, float, events.Timeline]:
@@ -231,7 +234,7 @@ def _train(
     run.mkdir(parents=True, exist_ok=True)
     ledger = run / "fault_ledger.jsonl"
     event_dir = (run / "events").resolve()  # the launcher's and the ranks' events, the report's only source
-    spec = schedule.worker_faults(faults)  # the faults injected inside the ranks, each once per job (the ledger)
+    spec = schedule.worker_faults(faults)  # the schedule itself, injected inside the ranks, once per job (the ledger)
     cmd = [
         *_ft_launcher(), f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
         f"--max-restarts={max_restarts}",
@@ -247,7 +250,7 @@ def _train(
     ]  # fmt: skip
     start, began = time.time(), time.monotonic()  # the job's start (a timestamp), and its duration's start
     env = {
-        **{k: v for k, v in os.environ.items() if k != fault_injection.ENV},  # the schedule is the only faults
+        **{k: v for k, v in os.environ.items() if k != fault_spec.ENV},  # the schedule is the only faults
         "PYTHONUNBUFFERED": "1",
         **INPROCESS_ENV,  # what in-process restart needs in the ranks' environment
         "MBRIDGE_JOB_START_TIME": f"{start:.3f}",

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megatron.bridge.drill.schedule import MUTATIONS, RELOADING, DrillFault, ledger_kind, worker_fault
+from megatron.bridge.drill.schedule import MUTATIONS, RELOADING
 from megatron.bridge.training.events.stream import Event, EventKind, Mechanism, Problem, RestartLayer, read_events
+from megatron.bridge.training.faults.spec import Fault
 
 DETECTED_BY: dict[Mechanism, str] = {
     Mechanism.LAUNCHER_WORKER_EXIT: "ft_launcher: worker exited",
@@ -219,7 +220,7 @@ def _restarts(events: list[Event], attempts: list[Event]) -> list[Restart]:
 class Outcome:
     """What happened to one scheduled fault (``None``: not seen)."""
 
-    fault: DrillFault
+    fault: Fault
     struck: Optional[float] = None
     """Its ``fault_injected`` event's time."""
     detected: Optional[float] = None
@@ -292,7 +293,7 @@ def describe(event: Event) -> str:
     return text + (f": {event.detail}" if event.detail else "")
 
 
-def _detects(fault: DrillFault, e: Event) -> bool:
+def _detects(fault: Fault, e: Event) -> bool:
     """``e`` is a detection of ``fault`` by a mechanism meant for its kind."""
     if e.kind != EventKind.FAULT_DETECTED:
         return False
@@ -315,15 +316,14 @@ def _detects(fault: DrillFault, e: Event) -> bool:
     return False
 
 
-def _strike(events: list[Event], fault: DrillFault) -> Optional[Event]:
+def _strike(events: list[Event], fault: Fault) -> Optional[Event]:
     """The ``fault_injected`` event of ``fault`` (the training processes name its kind as the ledger does)."""
-    wanted = (ledger_kind(fault), fault.iteration, fault.rank)
-    phase = worker_fault(fault).phase if fault.kind in MUTATIONS else None  # three mutations share one kind
-    injected = (e for e in events if _is(e, EventKind.FAULT_INJECTED) and phase in (None, e.phase))
+    wanted = (fault.kind, fault.iteration, fault.rank)
+    injected = (e for e in events if _is(e, EventKind.FAULT_INJECTED))
     return next((e for e in injected if (e.fault_kind, e.iteration, e.rank) == wanted), None)
 
 
-def outcomes(timeline: Timeline, faults: list[DrillFault]) -> list[Outcome]:
+def outcomes(timeline: Timeline, faults: list[Fault]) -> list[Outcome]:
     """Match each scheduled fault with its strike, detection, restarts and recovery.
 
     A fault that reloads a checkpoint (``RELOADING``) claims the restarts of any layer that began after it struck
@@ -363,7 +363,7 @@ def outcomes(timeline: Timeline, faults: list[DrillFault]) -> list[Outcome]:
     return result
 
 
-def mutation_outcomes(timeline: Timeline, faults: list[DrillFault]) -> list[Outcome]:
+def mutation_outcomes(timeline: Timeline, faults: list[Fault]) -> list[Outcome]:
     """The schedule's mutations, each with when it struck (nothing is meant to detect or recover one)."""
     result = [Outcome(fault) for fault in faults if fault.kind in MUTATIONS]
     for outcome in result:

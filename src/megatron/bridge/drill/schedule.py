@@ -1,6 +1,8 @@
-"""The drill's fault schedule: which faults strike where, and how each one is injected.
+"""The drill's fault schedule: which faults strike where, checked against the run before anything starts.
 
-A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]``:
+A schedule is a fault spec (``training/faults/spec.py``, the grammar of ``fault_injection.faults`` and
+``$MBRIDGE_FAULTS``, read by the same parser), limited to the kinds whose detection and recovery the drill can tell
+apart, each at an iteration, on a rank, in its kind's default phase: ``<kind>@<iteration>:<rank>[:x<factor>]``.
 
 - ``kill``: the rank SIGKILLs itself when it starts the iteration (a crashed process or a lost node);
 - ``hang``: the rank SIGSTOPs itself (a hung GPU or a deadlock; the process is alive but makes no progress, and
@@ -9,9 +11,10 @@ A schedule is a comma-separated list of ``<kind>@<iteration>:<rank>[:x<factor>]`
   peer), and its peers wait in a collective with it: in-process restart aborts every rank and trains on in place;
 - ``preempt``: the rank receives SIGTERM, as from a scheduler preempting the job;
 - ``nan``: the rank's loss is NaN in the first pass of the iteration (a transient numerical fault);
-- ``slow``: the rank's forward steps take ``factor`` times as long from that iteration on (default 6: a relative
-  score near 0.14, half the drill's threshold of 0.3, which healthy ranks stay well above even on a machine that
-  other processes load: 0.58 at the lowest there);
+- ``slow``: the rank's forward steps take ``factor`` times as long from that iteration on; the drill needs a factor
+  of at least :data:`SLOW_MIN_FACTOR` (``x6`` in :data:`DEFAULT`: a relative score near 0.14, half the drill's
+  threshold of 0.3, which healthy ranks stay well above even on a machine that other processes load: 0.58 at the
+  lowest there);
 - ``corrupt-local``: once the rank's local checkpoint of the iteration is written, bytes in the middle of its file
   are flipped, as a failing disk would; a later restart must find it bad and fall back to the global tier.
 
@@ -22,15 +25,18 @@ comparison with the fault-free run catches what they break (a drill with one fai
   iteration, it leaves its random generators, its optimizer state, or its data position (the data stream starts
   again at the first sample) as its fresh start made them.
 
-All are faults of the training processes' fault-injection registry (``fault_injection.faults``; the mutations are
-its ``skip_restore``), each striking once per job thanks to the ledger (``fault_injection.ledger``).
+The schedule goes to the training processes as it is (``fault_injection.faults``), each fault striking once per job
+thanks to the ledger (``fault_injection.ledger``); the tables below are keyed by the same kind names, and read the
+parsed :class:`Fault` objects.
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
-from megatron.bridge.training.faults.injection import RESTORE, Fault
+from megatron.bridge.training.faults.spec import PHASES, SKIPPED_PART, Fault, number
+from megatron.bridge.training.faults.spec import parse as parse_faults
 
+SOURCE = "--faults"
+"""How errors name the schedule."""
 DEFAULT = "nan@12:1,kill@27:1,preempt@38:0,corrupt-local@45:1,stall@47:1,slow@48:1:x6"
 """One of each kind, for 100 iterations with global saves every 20 and local ones every 5.
 
@@ -43,15 +49,16 @@ a report could cover more fast steps than slow ones, and the next one come after
 
 Six times slower is a straggler a person would notice in a step-time plot, not an extreme one: each slowed step the
 detector needs costs five steps' time, which made the slowed rank the costliest fault of the drill at twenty times
-(about 7 s of 12-14 s). The drill's threshold (0.3, see ``cli.training_overrides``) sits about twice below the
-healthy ranks' lowest scores and twice above the slowed rank's."""
+(about 7 s of 12-14 s). The drill's threshold (:data:`STRAGGLER_THRESHOLD`) sits about twice below the healthy
+ranks' lowest scores and twice above the slowed rank's."""
 
-MUTATIONS = {"no-rng-restore": "rng", "no-optimizer-restore": "optimizer", "no-data-restore": "data"}
-"""Mutation kinds and the part each leaves unrestored (fault injection's ``skip_restore@<it>:<rank>:restore.<part>``).
+MUTATIONS = SKIPPED_PART
+"""Mutation kinds and the part each leaves unrestored (the registry's broken-resume kinds).
 
 Not faults: no mechanism is meant to detect them, the fault table leaves them out, and a drill whose final state
 still equals the reference's after one struck has a comparison that does not bite."""
 KINDS = ("kill", "hang", "stall", "preempt", "nan", "slow", "corrupt-local")
+"""The fault kinds a drill schedule may hold (besides :data:`MUTATIONS`)."""
 RESTARTING = ("kill", "hang", "preempt", "slow")
 """Kinds after which ft_launcher restarts the workers (``slow``: the straggler stop, exit 21, then the in-job
 restart)."""
@@ -60,34 +67,12 @@ RELOADING = (*RESTARTING, "stall")
 SLOW_MARGIN = 20
 """Iterations a ``slow`` fault needs before the end: two straggler reports in a row (every second, counted in steps
 from the median of the first 16 steps of each start) whose steps are mostly slowed must come before it."""
-_WORKER_KIND = {
-    "kill": "kill",
-    "hang": "hang",
-    "stall": "stall",
-    "preempt": "sigterm",
-    "nan": "nan",
-    "slow": "slow",
-    "corrupt-local": "corrupt",
-    **dict.fromkeys(MUTATIONS, "skip_restore"),
-}
-"""The fault-injection kind that injects each drill kind inside the training processes."""
-
-
-@dataclass(frozen=True)
-class DrillFault:
-    """One scheduled fault."""
-
-    kind: str
-    iteration: int
-    rank: int
-    factor: Optional[float] = None
-    """``slow`` only: how many times longer the rank's forward steps take."""
-
-    @property
-    def label(self) -> str:
-        """How the fault is named in the report, e.g. ``kill@27:1``."""
-        suffix = f":x{self.factor:g}" if self.factor is not None else ""
-        return f"{self.kind}@{self.iteration}:{self.rank}{suffix}"
+STRAGGLER_THRESHOLD = 0.3
+"""The relative score under which the drill's straggler detection flags a rank (``cli.training_overrides``)."""
+SLOW_MIN_FACTOR, SLOW_MAX_FACTOR = 4.0, 100.0
+"""The ``slow`` factors a drill accepts: at x4 a rank scores about 0.24 against a healthy 0.96, under
+:data:`STRAGGLER_THRESHOLD` (the registry's default x2 scores about 0.5 and is never flagged); past x100 the slowed
+steps alone outlast the drill's timeout."""
 
 
 @dataclass(frozen=True)
@@ -101,44 +86,52 @@ class Plan:
     max_restarts: int
 
 
-def parse(spec: str) -> list[DrillFault]:
-    """Parse a schedule (``"none"`` or empty: no faults; ``"default"``: :data:`DEFAULT`), sorted by iteration.
+def parse(spec: str) -> list[Fault]:
+    """Read a schedule (``"none"`` or empty: no faults; ``"default"``: :data:`DEFAULT`), sorted by iteration.
+
+    The text goes through the one fault parser (``faults/spec.py``); what it returns is then held to what a drill
+    can tell apart.
 
     Raises:
-        ValueError: an item is malformed, names an unknown kind, or two faults share an iteration.
+        ValueError: an item is malformed or not one the drill can run (naming it, the drill's kinds and the fix), or
+            two faults share an iteration.
     """
-    spec = DEFAULT if spec.strip() == "default" else spec
-    faults = []
-    for item in filter(None, (s.strip() for s in ("" if spec.strip() == "none" else spec).split(","))):
-        try:
-            kind, rest = item.split("@")
-            parts = rest.split(":")
-            iteration, rank = int(parts[0]), int(parts[1])
-            factor = None
-            if len(parts) == 3 and kind == "slow" and parts[2].startswith("x"):
-                factor = float(parts[2][1:])
-            elif len(parts) != 2:
-                raise ValueError
-            known = kind in KINDS or kind in MUTATIONS
-            if not known or iteration < 1 or rank < 0 or (factor is not None and not 1 < factor < 100):
-                raise ValueError
-        except (ValueError, IndexError):
-            raise ValueError(
-                f"--faults: bad item {item!r}; expected <kind>@<iteration>:<rank> (slow also takes :x<factor>, "
-                f"1 < factor < 100) with kind in {KINDS} or a mutation {tuple(MUTATIONS)}, iteration >= 1, rank >= 0"
-            ) from None
-        faults.append(DrillFault(kind, iteration, rank, factor if factor is not None or kind != "slow" else 6.0))
+    spec = {"default": DEFAULT, "none": ""}.get(spec.strip(), spec)
+    faults = parse_faults(spec, SOURCE)
+    for fault in faults:
+        problem, fix = _unfit(fault)
+        if problem:
+            raise ValueError(f"{SOURCE}: bad item {fault.label!r}: {problem}. Fix: {fix}")
     faults.sort(key=lambda f: f.iteration)
     seen = [f.iteration for f in faults if f.kind not in MUTATIONS]
     if len(set(seen)) != len(seen):
-        raise ValueError("--faults: two faults at the same iteration cannot be told apart in the report; move one")
-    mutations = [(f.kind, f.iteration, f.rank) for f in faults if f.kind in MUTATIONS]
-    if len(set(mutations)) != len(mutations):
-        raise ValueError("--faults: a mutation is there twice (it strikes once); remove one")
+        raise ValueError(f"{SOURCE}: two faults at the same iteration cannot be told apart in the report; move one")
     return faults
 
 
-def check(faults: list[DrillFault], plan: Plan) -> None:
+def _unfit(fault: Fault) -> tuple[str, str]:
+    """Why the drill cannot run ``fault`` (empty when it can), and the fix."""
+    fix = (
+        f"write each item as <kind>@<iteration>:<rank>[:x<factor>] with a kind among {', '.join(KINDS)} or a "
+        f"mutation among {', '.join(MUTATIONS)}"
+    )
+    if fault.kind not in KINDS and fault.kind not in MUTATIONS:
+        return f"the drill cannot tell what detects and recovers {fault.kind!r}", fix
+    if fault.seconds is not None:
+        return "a drill's fault strikes at an iteration, not after a time", fix
+    if fault.always or fault.phase != PHASES[fault.kind][0]:
+        return f"a drill's fault strikes once, in its kind's phase ({PHASES[fault.kind][0]}): no options", fix
+    if fault.kind == "slow" and not SLOW_MIN_FACTOR <= fault.scale < SLOW_MAX_FACTOR:
+        low, high = number(SLOW_MIN_FACTOR), number(SLOW_MAX_FACTOR)
+        return (
+            f"x{number(fault.scale)} is outside the drill's x{low} to x{high} (under x{low} the straggler threshold "
+            f"{STRAGGLER_THRESHOLD} flags no one; past x{high} the run outlasts its timeout)",
+            f"give a factor, e.g. slow@{fault.iteration}:{fault.rank}:x6",
+        )
+    return "", ""
+
+
+def check(faults: list[Fault], plan: Plan) -> None:
     """Reject a schedule that cannot play out as written on this run.
 
     Raises:
@@ -183,7 +176,7 @@ def check(faults: list[DrillFault], plan: Plan) -> None:
         )
 
 
-def _check_mutation(mutation: DrillFault, faults: list[DrillFault], plan: Plan) -> None:
+def _check_mutation(mutation: Fault, faults: list[Fault], plan: Plan) -> None:
     """A mutation strikes at the load of the checkpoint of its iteration: a restart must load that one.
 
     That is a preemption's own save (``preempt`` at the same iteration), or a checkpoint of that iteration (local or
@@ -204,18 +197,6 @@ def _check_mutation(mutation: DrillFault, faults: list[DrillFault], plan: Plan) 
         )
 
 
-def worker_fault(fault: DrillFault) -> Fault:
-    """The fault-injection fault that injects ``fault`` inside the training processes."""
-    kind = _WORKER_KIND[fault.kind]
-    phase = f"{RESTORE}{MUTATIONS[fault.kind]}" if fault.kind in MUTATIONS else ""
-    return Fault(kind, fault.iteration, fault.rank, phase, factor=fault.factor if fault.kind == "slow" else None)
-
-
-def worker_faults(faults: list[DrillFault]) -> str:
-    """The ``fault_injection.faults`` spec of the faults injected inside the training processes."""
-    return ",".join(str(worker_fault(f)) for f in faults if f.kind in _WORKER_KIND)
-
-
-def ledger_kind(fault: DrillFault) -> str:
-    """The kind the training process records in the fault ledger for ``fault``."""
-    return _WORKER_KIND.get(fault.kind, fault.kind)
+def worker_faults(faults: list[Fault]) -> str:
+    """The ``fault_injection.faults`` spec of the schedule: its faults, as the training processes parse them."""
+    return ",".join(str(f) for f in faults)

@@ -1,4 +1,4 @@
-"""A loaded checkpoint is put back part by part; fault injection's ``skip_restore`` leaves out exactly its part."""
+"""A loaded checkpoint is put back part by part; a ``no-<part>-restore`` fault leaves out exactly its part."""
 
 import pytest
 import torch

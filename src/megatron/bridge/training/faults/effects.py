@@ -1,8 +1,8 @@
-"""What some injected faults do to the process or its storage, once the registry says one is due.
+"""A full disk, a kernel OOM kill and a wall-clock jump, simulated for real once the registry says one is due.
 
-The registry (``faults/injection.py``) decides when; this fills a file system, allocates memory until the kernel kills
-the process, moves the wall clock, and finds the processes a rank started. Kept apart so that the registry reads as
-the list of faults and when they strike.
+The registry (``faults/injection.py``) decides when; this fills a file system (``fill``), allocates memory until the
+kernel kills the process (``oom``), moves the wall clock (``clock-jump``), and finds the processes a rank started
+(``preempt-tree`` signals them all). Kept apart so that the registry reads as the list of faults and when they strike.
 """
 
 import errno
@@ -93,7 +93,7 @@ def allocate_until_killed() -> None:
 
 
 def jump_clock(hours: float) -> None:
-    """Move this process's wall clock ``hours`` ahead from now on (the ``clock_jump`` fault).
+    """Move this process's wall clock ``hours`` ahead from now on (the ``clock-jump`` fault).
 
     ``time.time()`` and ``time.time_ns()`` read ``hours`` later; the monotonic clocks are not touched. A real step
     of the system clock needs ``CAP_SYS_TIME`` and moves every process on the machine; this moves one rank's, where

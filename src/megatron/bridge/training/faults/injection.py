@@ -1,74 +1,29 @@
 """Failures on demand, so that every recovery path can be tested with the real thing: one registry of faults.
 
-A drill or a test names the faults it wants, and the rank they are aimed at fails for real at that moment: it
-stops (SIGSTOP), dies (SIGKILL), raises, is signalled, stalls, slows down, computes a NaN or a spike, is killed in
-the middle of a checkpoint commit, saves a local checkpoint with NaN weights, or finds the bytes of its written local
-checkpoint flipped. Nothing else in the package injects faults: the checkpoint commit protocol and the local tier
-ask this registry whether a fault is due, and ``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become
-one of its faults.
+A drill or a test names the faults it wants (in the one grammar of ``faults/spec.py``), and the rank they are aimed
+at fails for real at that moment: it stops (SIGSTOP), dies (SIGKILL), raises, is preempted (SIGTERM), stalls, slows
+down, computes a NaN or a spike, is killed in the middle of a checkpoint commit, saves a local checkpoint with NaN
+weights, finds the bytes of its written local checkpoint flipped, fills its disk, runs out of memory, sees its wall
+clock jump, or resumes without restoring a part of its state. Nothing else in the package injects faults: the
+checkpoint commit protocol, the local tier and the load ask this registry whether a fault is due, and
+``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become one of its faults.
 
-Spec: a comma-separated list of ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:always]``, e.g.
-``kill@8:1,nan@12:0,slow@1:1:x3,kill@6:1:save.during_write,nan@8:0:local_save,hang@4s:1``. Set it in
-``fault_injection.faults`` (config) and/or in ``$MBRIDGE_FAULTS`` (for launcher-driven runs); when both are set,
-both apply (the environment's faults are added to the config's).
+The faults of a process are those of ``fault_injection.faults`` (config) and of ``$MBRIDGE_FAULTS`` (for
+launcher-driven runs): when both are set, both apply (the environment's are added to the config's).
 
-- ``when``: the iteration (1-based, the one the rank is about to run or save), or ``<seconds>s``: that many
-  seconds after the rank starts training, wherever it is then (phase ``timer``).
-- ``rank``: the global rank that fails.
-- ``phase``: where the fault strikes (for each kind below, the first phase listed is its default):
-
-  - ``hang`` (SIGSTOP: a hung GPU, a deadlock), ``kill`` (SIGKILL: a crashed process), ``sigterm`` (SIGTERM: a
-    scheduler preempting the job), ``sigterm-tree`` (SIGTERM to the rank and every process it started, as Slurm
-    signals a job step): ``step``, ``save.<point>``, ``timer``;
-  - ``exception`` (an uncaught ``RuntimeError``), ``stall`` (the rank stays alive but makes no progress, waiting
-    with the GIL released, as a rank blocked on a lock, a store, a peer or storage that stops answering; its
-    threads and heartbeats go on): ``step``, ``save.<point>``;
-  - ``slow`` (the rank's forward steps take ``x<factor>`` times as long, default 2, from that iteration on: it
-    sleeps for the extra time inside the step, which CPU-side timing sees and CUDA kernel timing does not; the
-    extra time is a multiple of the median of the rank's recent forward times, so a single forward step that
-    other processes delay is not stretched ``factor`` times more),
-    ``spike`` (its forward output is multiplied by ``x<factor>``, default 100): ``forward``;
-  - ``nan``: ``forward`` (its forward output becomes NaN, hence its loss and gradients), ``local_save`` (its
-    local checkpoint of that iteration is saved with NaN weights: a poisoned local checkpoint);
-  - ``corrupt``: ``local_save`` (once the rank's local checkpoint of that iteration is written, 64 bytes in the
-    middle of its file are flipped: storage that damages data at rest, which the content hashes catch at load);
-  - ``fill``: ``global_save``, ``local_save`` (the file system of ``checkpoint.save``, or of the local tier's
-    directory, is filled up to :data:`FILL_LEAVES` free bytes with the file :data:`FILL_FILE` in that directory, just
-    before the rank's files of that iteration's save are written and after the free-space check: a disk that
-    fills up during a save; delete the file to free the space);
-  - ``oom`` (the rank allocates and touches host memory, 64 MiB at a time, until the kernel's out-of-memory killer
-    kills it with SIGKILL: the kill comes from the kernel, never from the rank. It needs a memory limit, as Slurm's
-    ``--mem`` sets: it stops at the limit of its memory cgroup plus 256 MiB, or at 2 GiB where it finds none, and
-    then raises a ``RuntimeError`` saying that nothing killed it), ``clock_jump`` (this process's wall clock,
-    ``time.time()`` and ``time.time_ns()``, jumps by ``x<factor>`` hours, default 1, negative for backwards, from
-    then on; the monotonic clocks do not move: an NTP step or a mis-set clock, seen by this rank only): ``step``.
-  - ``skip_restore`` (a broken resume on purpose, to prove that a comparison with an uninterrupted run catches
-    it: the drill's mutations): ``restore.<part>``, no default: as the rank loads the checkpoint of that iteration
-    (either tier) it leaves ``<part>`` (:data:`RESTORE_PARTS`) as its fresh start made it: ``rng`` (every generator
-    keeps this start's seeds), ``optimizer`` (moments, step counts and master weights stay as built), ``data`` (the
-    training data stream starts at the first sample; the consumed-sample count itself is restored).
-
-  ``step``: when the rank starts the iteration. ``forward``: in the rank's forward passes of the iteration.
-  ``save.<point>``: at that point of the global checkpoint's commit protocol in the save of that iteration (points
-  in :data:`SAVE_POINTS`: a crash, hang or stall during a save; only rank 0 commits, so every point after
-  ``during_write`` needs rank 0). ``local_save``: before the local checkpoint's content hashes are computed, so it
-  verifies (a state that is bad although intact, as a replica assembled from the wrong pieces would be).
-  ``timer``: goes with ``<seconds>s``, from a timer thread (``ft.simulate_fault`` is such a fault). ``restore.<part>``:
-  at the load of the checkpoint of that iteration.
-- ``always``: strike in every attempt. Without it a fault strikes in the first attempt of a job only
-  (``TORCHELASTIC_RESTART_COUNT`` unset or 0, and the first in-process restart iteration), so that a restarted job
-  can recover; with a ledger (``fault_injection.ledger``) it strikes instead the first time any attempt reaches it.
-  ``nan`` and ``spike`` in ``forward`` corrupt only the first pass of the iteration (a re-run of the step computes
-  the true value: a transient fault); with ``always`` every pass of that iteration in every attempt is corrupted (a
-  reproducible fault).
+Which attempt a fault strikes in: without ``:always``, the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT``
+unset or 0, and the first in-process restart iteration), so that a restarted job can recover; with a ledger
+(``fault_injection.ledger``) it strikes instead the first time any attempt reaches it. ``nan`` and ``spike`` in
+``forward`` corrupt only the first pass of the iteration (a re-run of the step computes the true value: a transient
+fault); with ``always`` every pass of that iteration in every attempt is corrupted (a reproducible fault).
 
 The ledger is a file of JSON lines shared by every attempt: a rank appends the fault (its spec, kind, iteration,
 rank, phase, wall-clock time, pid, restart count) just before striking, and later attempts skip what it lists, so a
 schedule can span restarts. It decides what is still due; reports read when each fault struck from the
 ``fault_injected`` events every strike writes to the event stream (``events/stream.py``, ledger or not).
 
-A malformed item or an unknown kind is a ``ValueError`` naming the item, the bad part and the expected form (an item
-given twice in one spec, too); the config's ``validate()`` checks both sources before anything starts.
+This module imports nothing of the config: :func:`install` takes any object with ``faults`` and ``ledger``
+(:class:`FaultSettings`); the config's ``validate()`` checks both sources with :func:`parse` before anything starts.
 """
 
 import functools
@@ -80,202 +35,52 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind
 from megatron.bridge.training.faults import effects as fault_effects
 from megatron.bridge.training.faults.effects import FILL_FILE, FILL_LEAVES  # noqa: F401 - part of this API
-
-if TYPE_CHECKING:  # no import at run time: config.py's validate() parses fault specs with this module
-    from megatron.bridge.training.config import FaultInjectionConfig
+from megatron.bridge.training.faults.spec import (  # noqa: F401 - the grammar is part of this API
+    CONFIG_FIELD,
+    ENV,
+    FACTORS,
+    FORWARD,
+    GLOBAL_SAVE,
+    GRAMMAR,
+    KINDS,
+    LOCAL_SAVE,
+    PHASES,
+    RESTORE,
+    RESTORE_PARTS,
+    SAVE,
+    SAVE_POINTS,
+    SKIPPED_PART,
+    STEP,
+    TIMER,
+    Fault,
+    number,
+    parse,
+)
+from megatron.bridge.utils import launch_env
 
 logger = logging.getLogger(__name__)
 
-ENV = "MBRIDGE_FAULTS"
-"""The environment variable of launcher-driven runs; its faults are added to ``fault_injection.faults``."""
-GRAMMAR = "<kind>@<when>:<rank>[:<phase>][:x<factor>][:always] (when: an iteration >= 1 or <seconds>s)"
-
-STEP, FORWARD, LOCAL_SAVE, TIMER = "step", "forward", "local_save", "timer"
-GLOBAL_SAVE = "global_save"
-"""The phase before a rank writes its files of a global checkpoint (after the free-space check)."""
-SAVE = "save."
-"""Prefix of the phases at a point of the checkpoint commit protocol: ``save.<point>``."""
-SAVE_POINTS = (
-    "during_write",  # this rank wrote its files, nothing else happened (every rank passes here)
-    "after_manifest",  # all files and the manifest are in .tmp_iter_N (rank 0 from here on)
-    "after_replace_old",  # an existing iter_N was moved to .replaced_iter_N (a re-save of the same iteration)
-    "after_rename",  # iter_N is in place, the tracker still names the previous checkpoint
-    "after_tracker_tmp",  # the new tracker is written to its temporary file but not renamed
-    "after_tracker",  # committed; .replaced_iter_N (if any) not yet deleted
-)
-"""The points of ``checkpoint/layout.py``'s commit protocol a ``save.<point>`` fault can strike at."""
-RESTORE = "restore."
-"""Prefix of the phases at the load of a checkpoint: ``restore.<part>`` (``skip_restore``)."""
-RESTORE_PARTS = ("rng", "optimizer", "data")
-"""What a ``skip_restore`` can leave unrestored (see the module docstring)."""
-
-_SIGNALS = (STEP, SAVE, TIMER)
-PHASES = {
-    "hang": _SIGNALS,
-    "kill": _SIGNALS,
-    "sigterm": _SIGNALS,
-    "sigterm-tree": _SIGNALS,
-    "exception": (STEP, SAVE),
-    "stall": (STEP, SAVE),
-    "slow": (FORWARD,),
-    "spike": (FORWARD,),
-    "nan": (FORWARD, LOCAL_SAVE),
-    "corrupt": (LOCAL_SAVE,),
-    "fill": (GLOBAL_SAVE, LOCAL_SAVE),
-    "oom": (STEP,),
-    "clock_jump": (STEP,),
-    "skip_restore": (RESTORE,),
-}
-"""Every kind and the phases it can strike in; the first is its default."""
-KINDS = tuple(PHASES)
-_FACTORS = {"slow": 2.0, "spike": 100.0, "clock_jump": 1.0}
-"""Kinds that take ``x<factor>``, and their default factor (``clock_jump``: hours)."""
-_SIGNAL_OF = {"hang": int(signal.SIGSTOP), "kill": int(signal.SIGKILL), "sigterm": int(signal.SIGTERM),
-              "sigterm-tree": int(signal.SIGTERM)}  # fmt: skip
+_SIGNAL_OF = {"hang": int(signal.SIGSTOP), "kill": int(signal.SIGKILL), "preempt": int(signal.SIGTERM),
+              "preempt-tree": int(signal.SIGTERM)}  # fmt: skip
 """The signal each signalling kind sends (in its ``fault_injected`` event)."""
 _SLOW_WINDOW = 16
 """Forward steps whose median ``slow`` multiplies."""
 
 
-def _number(value: float) -> str:
-    short = f"{value:g}"
-    return short if float(short) == value else repr(value)
+class FaultSettings(Protocol):
+    """What :func:`install` reads of the job's settings (the config's ``fault_injection`` section, or any such)."""
 
-
-@dataclass(frozen=True)
-class Fault:
-    """One scheduled fault; constructing one checks it (``ValueError`` naming the bad part)."""
-
-    kind: str
-    iteration: Optional[int]
-    """The iteration it strikes at; ``None`` for a timed fault (``seconds``)."""
-    rank: int
-    phase: str = ""
-    """Where it strikes (see the module docstring); empty means the kind's default."""
-    always: bool = False
-    """Strike in every attempt, not only the first (or the first to reach it, with a ledger)."""
-    factor: Optional[float] = None
-    """``slow``: how many times longer the forward steps take (default 2); ``spike``: the output multiplier
-    (default 100)."""
-    seconds: Optional[float] = None
-    """A timed fault: seconds after the rank starts training (instead of an iteration; phase ``timer``)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in PHASES:
-            raise ValueError(f"unknown kind {self.kind!r} (kinds: {', '.join(KINDS)})")
-        timed = self.seconds is not None
-        if timed == (self.iteration is not None):
-            raise ValueError("give either an iteration or a time in seconds")
-        if not self.phase and PHASES[self.kind][0] == RESTORE:
-            raise ValueError(f"{self.kind} needs its phase {RESTORE}<part> (parts: {', '.join(RESTORE_PARTS)})")
-        if not self.phase:
-            object.__setattr__(self, "phase", TIMER if timed else PHASES[self.kind][0])
-        family = next((p for p in (SAVE, RESTORE) if self.phase.startswith(p)), self.phase)
-        if family not in PHASES[self.kind]:
-            allowed = ", ".join(p + {SAVE: "<point>", RESTORE: "<part>"}.get(p, "") for p in PHASES[self.kind])
-            raise ValueError(f"{self.kind} cannot strike in phase {self.phase!r} (its phases: {allowed})")
-        if family == RESTORE and self.phase[len(RESTORE) :] not in RESTORE_PARTS:
-            raise ValueError(f"unknown part {self.phase!r} (parts: {RESTORE}{f', {RESTORE}'.join(RESTORE_PARTS)})")
-        if family == SAVE and self.phase[len(SAVE) :] not in SAVE_POINTS:
-            raise ValueError(f"unknown checkpoint point {self.phase!r} (points: save.{', save.'.join(SAVE_POINTS)})")
-        if family == SAVE and self.phase != SAVE + SAVE_POINTS[0] and self.rank != 0:
-            raise ValueError(f"only rank 0 reaches {self.phase!r} (it commits the checkpoint)")
-        if (family == TIMER) != timed:
-            raise ValueError("a <seconds>s time goes with phase timer, an iteration with the other phases")
-        if timed and not 0 <= self.seconds < float("inf"):
-            raise ValueError(f"time {self.seconds}s is not a number of seconds >= 0")
-        if not timed and self.iteration < 1:
-            raise ValueError(f"iteration {self.iteration} is not >= 1")
-        if self.rank < 0:
-            raise ValueError(f"rank {self.rank} is not >= 0")
-        if self.factor is not None and self.kind not in _FACTORS:
-            raise ValueError(f"x<factor> is only for {' and '.join(_FACTORS)}")
-        if self.kind == "clock_jump" and self.factor is not None and not 0 < abs(self.factor) < 1e4:
-            raise ValueError(f"x{self.factor:g}: a clock jump is a non-zero number of hours, under 10000 either way")
-        if self.kind != "clock_jump" and self.factor is not None and not 1 < self.factor < 1e3:
-            raise ValueError(f"factor {self.factor:g} is not in (1, 1000)")
-
-    @property
-    def scale(self) -> float:
-        """``factor``, or the kind's default one."""
-        return self.factor if self.factor is not None else _FACTORS.get(self.kind, 1.0)
-
-    def __str__(self) -> str:
-        """The spec of this fault (``parse(str(fault)) == [fault]``)."""
-        when = f"{_number(self.seconds)}s" if self.seconds is not None else str(self.iteration)
-        options = [self.phase] if self.phase != (TIMER if self.seconds is not None else PHASES[self.kind][0]) else []
-        options += [f"x{_number(self.factor)}"] if self.factor is not None else []
-        options += ["always"] if self.always else []
-        return ":".join([f"{self.kind}@{when}", str(self.rank), *options])
-
-
-def _parse_item(item: str) -> Fault:
-    kind, at, rest = item.partition("@")
-    if not at:
-        raise ValueError("no '@' after the kind")
-    if kind not in PHASES:
-        raise ValueError(f"unknown kind {kind!r}")
-    when, *parts = rest.split(":")
-    if not parts:
-        raise ValueError("no :<rank> after the iteration")
-    iteration = seconds = None
-    try:
-        if when.endswith("s"):
-            seconds = float(when[:-1])
-        else:
-            iteration = int(when)
-    except ValueError:
-        raise ValueError(f"{when!r} is neither an iteration nor <seconds>s") from None
-    try:
-        rank = int(parts[0])
-    except ValueError:
-        raise ValueError(f"rank {parts[0]!r} is not a whole number") from None
-    phase, factor, always = "", None, False
-    for option in parts[1:]:
-        if option == "always" and not always:
-            always = True
-        elif option.startswith("x") and factor is None:
-            try:
-                factor = float(option[1:])
-            except ValueError:
-                raise ValueError(f"factor {option!r} is not x<number>") from None
-        elif (option in (STEP, FORWARD, LOCAL_SAVE, GLOBAL_SAVE, TIMER) or option.startswith((SAVE, RESTORE))) and (
-            not phase
-        ):
-            phase = option
-        else:
-            raise ValueError(
-                f"option {option!r} is unknown or given twice (options: a phase {STEP}, {FORWARD}, {SAVE}<point>, "
-                f"{GLOBAL_SAVE}, {LOCAL_SAVE}, {TIMER}, {RESTORE}<part>; x<factor>; always)"
-            )
-    return Fault(kind, iteration, rank, phase, always, factor, seconds)
-
-
-def parse(spec: str, source: str = ENV) -> list[Fault]:
-    """Parse a fault spec (see the module docstring); ``source`` names where it came from in errors.
-
-    Raises:
-        ValueError: ``"<source>: bad item '<item>': <what is wrong>. Fix: ..."``.
-    """
-    faults = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        try:
-            faults.append(_parse_item(item))
-        except ValueError as err:
-            raise ValueError(
-                f"{source}: bad item {item!r}: {err}. Fix: write each item as {GRAMMAR}, kinds {', '.join(KINDS)}"
-            ) from None
-        if faults[-1] in faults[:-1]:
-            raise ValueError(f"{source}: item {item!r} is there twice (a fault strikes once); remove one")
-    return faults
+    faults: Optional[str]
+    """The job's fault spec (``faults/spec.py``); empty or ``None``: none."""
+    ledger: Optional[str]
+    """The ledger file shared by every attempt, or ``None``."""
 
 
 def struck_faults(ledger: str) -> list[dict[str, Any]]:
@@ -307,7 +112,7 @@ class FaultRegistry:
         self.faults: list[Fault] = []
         self.ledger = ledger
         self._done = {r.get("fault") for r in struck_faults(ledger)} if ledger else set()
-        self._first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and inprocess_iteration == 0
+        self._first = launch_env.current().restart_count == 0 and inprocess_iteration == 0
         self._due: list[Fault] = []
         for fault in faults:
             self.add(fault)
@@ -364,7 +169,7 @@ class FaultRegistry:
             "phase": fault.phase,
             "time": time.time(),
             "pid": os.getpid(),
-            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "restart_count": launch_env.current().restart_count,
         }
         fd = os.open(self.ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -377,13 +182,13 @@ class FaultRegistry:
 _active: Optional[FaultRegistry] = None
 
 
-def install(cfg: "FaultInjectionConfig", inprocess_iteration: int = 0) -> FaultRegistry:
-    """Make the faults of ``cfg`` and ``$MBRIDGE_FAULTS`` the ones of this process (at each start).
+def install(cfg: FaultSettings, inprocess_iteration: int = 0) -> FaultRegistry:
+    """Make the faults of ``cfg`` (the config's ``fault_injection``) and ``$MBRIDGE_FAULTS`` this process's.
 
-    More may be added with :meth:`FaultRegistry.add` (``ft.simulate_fault`` is).
+    Called at each start. More may be added with :meth:`FaultRegistry.add` (``ft.simulate_fault`` is).
     """
     global _active
-    faults = [*parse(cfg.faults or "", "fault_injection.faults"), *parse(os.environ.get(ENV, ""))]
+    faults = [*parse(cfg.faults or "", CONFIG_FIELD), *parse(os.environ.get(ENV, ""), ENV)]
     if _active is not None:
         _active.replaced = True
     _active = FaultRegistry(faults, cfg.ledger, inprocess_iteration)
@@ -394,7 +199,7 @@ def registry() -> FaultRegistry:
     """The installed registry; in a process that installed none, the faults of ``$MBRIDGE_FAULTS`` alone."""
     global _active
     if _active is None:
-        _active = FaultRegistry(parse(os.environ.get(ENV, "")))
+        _active = FaultRegistry(parse(os.environ.get(ENV, ""), ENV))
     return _active
 
 
@@ -414,10 +219,10 @@ def poisons_local_save(rank: int, iteration: int) -> bool:
 def skipped_restores(rank: int, iteration: int) -> frozenset[str]:
     """The parts (:data:`RESTORE_PARTS`) ``rank`` leaves unrestored as it loads the checkpoint of ``iteration``.
 
-    Each ``skip_restore`` due there is recorded as struck.
+    Each ``no-<part>-restore`` due there (:data:`SKIPPED_PART`) is recorded as struck.
     """
     due = registry()
-    parts = frozenset(p for p in RESTORE_PARTS if due.take(RESTORE + p, rank, iteration, kind="skip_restore"))
+    parts = frozenset(part for kind, part in SKIPPED_PART.items() if due.take(RESTORE, rank, iteration, kind=kind))
     for part in sorted(parts):
         logger.error("fault injection: rank %d resumes iteration %d without restoring its %s", rank, iteration, part)
     return parts
@@ -433,8 +238,8 @@ def fill_storage(phase: str, rank: int, iteration: int, directory: str) -> None:
 
 
 def corrupt_written_local_checkpoint(rank: int, iteration: int, path: Callable[[], str]) -> None:
-    """Flip 64 bytes in the middle of the written local checkpoint file ``path()`` if ``corrupt`` is due now."""
-    if registry().take(LOCAL_SAVE, rank, iteration, kind="corrupt") is None:
+    """Flip 64 bytes in the middle of the written local checkpoint ``path()`` if ``corrupt-local`` is due now."""
+    if registry().take(LOCAL_SAVE, rank, iteration, kind="corrupt-local") is None:
         return
     target = path()
     with open(target, "r+b") as f:
@@ -453,7 +258,7 @@ def corrupt_written_local_checkpoint(rank: int, iteration: int, path: Callable[[
 def strike(kind: str, where: str, label: Optional[str] = None, factor: Optional[float] = None) -> None:
     """Make this process fail the way ``kind`` says (``label``: how the log line names it; default ``kind``).
 
-    ``factor``: a ``clock_jump``'s hours (default 1).
+    ``factor``: a ``clock-jump``'s hours (default 1).
     """
     logger.error("fault injection: %s at %s (pid %d)", label or kind, where, os.getpid())
     for handler in logging.getLogger().handlers:
@@ -462,17 +267,17 @@ def strike(kind: str, where: str, label: Optional[str] = None, factor: Optional[
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "sigterm":
+    elif kind == "preempt":
         os.kill(os.getpid(), signal.SIGTERM)
-    elif kind == "sigterm-tree":
+    elif kind == "preempt-tree":
         for pid in [*fault_effects.descendants(os.getpid()), os.getpid()]:
             os.kill(pid, signal.SIGTERM)
     elif kind == "stall":
         stall_forever()
     elif kind == "oom":
         fault_effects.allocate_until_killed()
-    elif kind == "clock_jump":
-        fault_effects.jump_clock(_FACTORS["clock_jump"] if factor is None else factor)
+    elif kind == "clock-jump":
+        fault_effects.jump_clock(FACTORS["clock-jump"] if factor is None else factor)
     else:
         raise RuntimeError(f"fault injection: exception at {where}")
 
@@ -536,7 +341,7 @@ class StepFaults(Callback):
                 logger.warning("fault injection: %s disarmed: the process restarted in process", fault)
                 return
             self._registry.record(fault)
-            strike(fault.kind, f"{_number(fault.seconds)} s into training on rank {self.rank}")
+            strike(fault.kind, f"{number(fault.seconds)} s into training on rank {self.rank}")
 
         threading.Thread(target=wait_and_strike, name="fault-injection-timer", daemon=True).start()
 
