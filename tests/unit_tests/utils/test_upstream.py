@@ -21,6 +21,12 @@ NOT_UPSTREAM = {
     "_cpu_shimmed",
     "_format_gpu_scores",  # our straggler manager's (Megatron-Bridge's name for it)
     "_train_iters_from_num_epochs",  # our TrainingConfig's (Megatron-Bridge's name for it)
+    # Megatron-Bridge's private checkpoint functions, ours at its paths (``training/checkpointing.py`` and the
+    # state-dict builders it re-exports); the checkpoint manager is given that module and calls them through it:
+    "_load_base_checkpoint",
+    "_load_model_state_dict",
+    "_build_sharded_state_dict_metadata",
+    "_get_train_state_from_state_dict",
 }
 """The standard library's (stable across Python 3 releases, documented or used as such) and our own."""
 

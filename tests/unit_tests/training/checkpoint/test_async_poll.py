@@ -122,7 +122,7 @@ def test_the_local_tier_is_busy_only_while_its_async_write_runs(tmp_path):
 
 def test_a_stop_by_the_local_tier_commits_the_global_save_in_flight_first():
     """A local-tier storage fault stops training; the healthy global save still being written is committed first."""
-    from megatron.bridge.training.checkpointing import CheckpointManager
+    from megatron.bridge.training.checkpoint.manager import CheckpointManager
     from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 
     manager = CheckpointManager.__new__(CheckpointManager)  # only the stop path is exercised

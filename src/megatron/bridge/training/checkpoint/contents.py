@@ -3,7 +3,7 @@
 The model chunks, the optimizer and scheduler states, the train state (iteration, consumed samples), every rank's
 RNG states and a per-rank extra (plain values, e.g. the re-run state machine's state): all a resumed run needs to
 continue bit-identically. The sharded state dict is built the same way for saving and for loading, so both tiers
-(``checkpointing.py``, ``local_tier.py``) agree on it.
+(``saving.py`` and ``loading.py``, ``local_tier.py``) agree on it.
 """
 
 import os
@@ -146,8 +146,8 @@ def apply_loaded(
     ``load_model(module, state_dict, strict)`` loads each model chunk (strictly); ``module.load_state_dict`` when
     ``None``.
 
-    ``skip``: parts left as they are, on purpose (fault injection's ``skip_restore``): ``"optimizer"``, ``"rng"``
-    (the generators; the extra state is restored).
+    ``skip``: parts left as they are, on purpose (fault injection's ``no-<part>-restore`` kinds): ``"optimizer"``,
+    ``"rng"`` (the generators; the extra state is restored).
 
     Raises:
         TrainingExit: ``CONFIG_ERROR`` when the config's learning-rate schedule differs from the checkpoint's and

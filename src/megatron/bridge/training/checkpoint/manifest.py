@@ -2,7 +2,7 @@
 
 Hashing is split over ranks: rank ``r`` of ``n`` hashes every ``n``-th file (``files[r::n]``), so a large
 checkpoint on a shared file system is read in parallel. These functions do no communication; the caller gathers
-the partial results (see ``training/checkpointing.py``).
+the partial results (see ``checkpoint/saving.py`` and ``checkpoint/loading.py``).
 """
 
 import hashlib

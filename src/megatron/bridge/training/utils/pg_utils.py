@@ -19,3 +19,15 @@ def get_pg_collection(model: Union[Any, list[Any]]) -> ProcessGroupCollection:
         if "couldn't find attribute pg_collection" not in str(err):
             raise
         return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def checkpoint_process_groups() -> ProcessGroupCollection:
+    """The groups a checkpoint is saved and read over (pp, tp, dp_cp, ep) from ``megatron.core.parallel_state``."""
+    from megatron.core import parallel_state
+
+    return ProcessGroupCollection(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        ep=parallel_state.get_expert_model_parallel_group(check_initialized=False),
+    )

@@ -1,0 +1,319 @@
+"""The save half of the checkpoint manager: global saves (sync or async) with an atomic, verified commit.
+
+Failures handled: a save interrupted at any point (a crash, a kill, a full disk) must never leave a checkpoint a
+loader could mistake for a whole one. Every rank writes into a temporary directory (megatron-core
+``dist_checkpointing``, ``torch_dist``); once all of them finished, the ranks hash the files in parallel, rank 0
+writes the manifest and commits (rename, then the tracker: ``layout.py``), and only then runs retention, so the last
+good checkpoint is never deleted. An async save is committed by :meth:`SavePath.finalize` at a step every rank
+reaches; a storage fault (full, unavailable) is turned into an agreed stop or, with
+``global_save_failure_policy="continue_local"``, into a local-tier save (``storage_guard.py``). When the local tier
+stops the run, the healthy global save in flight is committed first.
+"""
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import torch
+from megatron.core import dist_checkpointing
+
+from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, storage
+from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
+from megatron.bridge.training.checkpoint.local_tier import LocalTier
+from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard
+from megatron.bridge.training.config import CheckpointConfig
+from megatron.bridge.training.exit_codes import TrainingExit
+from megatron.bridge.training.faults import injection as fault_injection
+from megatron.bridge.training.state import TrainState
+from megatron.bridge.training.utils.pg_utils import checkpoint_process_groups
+from megatron.bridge.utils import upstream
+from megatron.bridge.utils.dist import all_gather_object, barrier, on_rank0, rank, world_size
+from megatron.bridge.utils.orphans import die_with_this_process
+
+logger = logging.getLogger("megatron.bridge.training.checkpointing")  # the name the run's save lines always had
+
+
+def hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
+    """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0."""
+
+    def scan() -> tuple[dict[str, manifest.FileEntry], list[str]]:
+        known = manifest.take_partial_manifests(ckpt_dir)
+        return known, [rel for rel in manifest.list_files(ckpt_dir) if rel not in known]
+
+    known, todo = on_rank0(scan, "listing the checkpoint's files")
+    share = manifest.hash_share(ckpt_dir, todo, rank(), world_size())
+    merged = dict(known)
+    for part in all_gather_object(share):
+        merged.update(part)
+    return merged
+
+
+class SavePath:
+    """The save half of :class:`~megatron.bridge.training.checkpoint.manager.CheckpointManager` (a mixin).
+
+    The manager's ``__init__`` sets the state below; :meth:`finalize` and :meth:`busy_here` are called by every rank
+    at the same step of the training loop.
+    """
+
+    cfg: CheckpointConfig
+    storage: StorageGuard
+    local: Optional[LocalTier]
+    _queue: Any
+    _pending: Optional[int]
+    _pending_tmp: Optional[str]
+    _strategy: Any
+    _run_id: str
+    _saves: int
+    _run_config: Optional[str]
+    _common_extra: dict[str, Callable[[], Any]]
+    _on_saved: Callable[..., None]
+    _finalizing_since: Optional[float]
+    last_blocking_seconds: float
+    last_finalize_seconds: float
+    last_saved_iteration: Optional[int]
+
+    def _save_strategy(self) -> Any:
+        """megatron-core's save strategy for this run, built on the first save and reused by the later ones."""
+        if self._strategy is not None:
+            return self._strategy  # reused: the fully parallel wrapper caches its work distribution
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        strategy = get_default_save_sharded_strategy(self.cfg.ckpt_format)
+        if self.cfg.ckpt_assume_constant_structure and hasattr(strategy, "use_cached_ckpt_structure"):
+            # megatron-core checks on the second save that the plan did not change, then reuses it: no plan exchange
+            strategy.use_cached_ckpt_structure = True
+        if self.cfg.fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True), True
+            )
+        self._strategy = strategy
+        return strategy
+
+    def save(
+        self,
+        model: list[torch.nn.Module],
+        optimizer: Any,
+        scheduler: Any,
+        state: TrainState,
+        rank_extra: Optional[dict] = None,
+    ) -> None:
+        """Save a checkpoint of the current state into ``cfg.save`` (asynchronously with ``async_save``).
+
+        ``rank_extra``: this rank's plain-valued extra state; :attr:`loaded_rank_extra` returns it after a load.
+        A checkpoint of the same iteration is replaced atomically.
+        """
+        root = self.cfg.save
+        assert root is not None, "validate() guarantees checkpoint.save when saving"
+        iteration = state.step
+        if self._pending is not None:
+            self.finalize(blocking=True)  # one save in flight at a time
+        start = time.perf_counter()
+        self._saves += 1
+        attempt = f"{self._run_id}-{self._saves}"
+        tmp = layout.tmp_dir(root, iteration, attempt)
+        progress = state.state_dict()  # train_state.pt holds the state of this step, not of the async commit's
+        sharded_sd = contents.sharded_state_dict(
+            model,
+            optimizer,
+            scheduler,
+            state,
+            rank_extra=rank_extra,
+            common_extra=self._extras(),
+            ckpt_cfg=self.cfg,
+            generator_states=self._generator_states(),
+        )
+        # Every rank creates tmp and checks the free space, then all agree: nothing is written when it is short.
+        if not self.storage.before_save(GLOBAL, iteration, storage.tensor_bytes(sharded_sd), tmp):
+            return self._keep_in_local_tier(model, optimizer, scheduler, state)
+        fault_injection.fill_storage(fault_injection.GLOBAL_SAVE, rank(), iteration, root)
+        try:
+            with die_with_this_process():  # a writer forked here must not outlive a rank killed mid-save
+                request = dist_checkpointing.save(
+                    sharded_sd,
+                    tmp,
+                    sharded_strategy=self._save_strategy(),
+                    # The sharding layout cannot change within a run: check it (a collective) on the first save only.
+                    validate_access_integrity=self._saves == 1,
+                    async_sharded_save=self._queue is not None,
+                    # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
+                    preprocess_common_before_consistancy_check=lambda common: {
+                        k: v for k, v in common.items() if k not in self._common_extra
+                    },
+                )
+            if self._queue is None:
+                self._commit(iteration, attempt, progress)
+        except StorageGuard.SAVE_ERRORS as err:
+            if not self.storage.save_failed(err, GLOBAL, iteration, tmp):  # full or unavailable: stops, or goes on
+                raise
+            return self._keep_in_local_tier(model, optimizer, scheduler, state)
+        if self._queue is None:
+            what = "saved checkpoint"
+        else:
+            if request.async_fn is not None:  # None when this rank has nothing to write
+                request = request._replace(async_fn=async_writer.writer(request.async_fn, tmp, rank(), iteration))
+            request.add_finalize_fn(lambda: self._commit(iteration, attempt, progress))
+            self._queue.schedule_async_request(request)
+            self._pending, self._pending_tmp = iteration, tmp
+            what = "Scheduling async checkpoint save"
+        self.last_blocking_seconds = time.perf_counter() - start
+        logger.info(
+            "%s at iteration %d to %s (blocking %.3f s)",
+            what,
+            iteration,
+            layout.iter_dir(root, iteration),
+            self.last_blocking_seconds,
+        )
+
+    def _commit(self, iteration: int, attempt: str, progress: dict[str, Any]) -> None:
+        """After every rank wrote its files: add the per-checkpoint files, hash, write the manifest, commit (all ranks).
+
+        ``progress``: the train state of the save's step, for ``train_state.pt``; retention runs after the commit.
+        """
+        start = time.perf_counter()
+        root = self.cfg.save
+        tmp = layout.tmp_dir(root, iteration, attempt)
+        layout.crash_point("during_write", rank(), iteration)
+        on_rank0(lambda: layout.write_iteration_files(tmp, progress, self._run_config), "writing train_state.pt")
+        barrier()
+        entries = hash_checkpoint(tmp)
+
+        def publish() -> None:
+            manifest.write_manifest(tmp, iteration, entries)
+            layout.commit(root, iteration, attempt, rank=0)
+            layout.apply_retention(
+                root, self.cfg.most_recent_k, protect={iteration}, retain_interval=self.cfg.save_retain_interval
+            )
+
+        on_rank0(publish, "the checkpoint commit")
+        self.last_saved_iteration = iteration
+        self.storage.sizes[GLOBAL] = sum(entry.size for entry in entries.values())
+        self.last_finalize_seconds = time.perf_counter() - start
+        self._on_saved(layout.iter_dir(root, iteration), self.api.CheckpointType.GLOBAL, iteration, self._in_finalize())
+
+    def save_local(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: TrainState) -> None:
+        """Save the current state into the local tier (same content as a global checkpoint)."""
+        assert self.local is not None, "validate() guarantees the local tier when a local save is due"
+        sharded_sd = contents.sharded_state_dict(
+            model, optimizer, scheduler, state, ckpt_cfg=self.cfg, generator_states=self._generator_states()
+        )
+        with self._global_save_kept_on_a_local_stop():
+            self.storage.before_save(LOCAL, state.step, storage.tensor_bytes(sharded_sd))
+            fault_injection.fill_storage(fault_injection.LOCAL_SAVE, rank(), state.step, self.storage.local_dir)
+            try:
+                self.local.save(sharded_sd, state.step, common_extra=self._extras())
+            except StorageGuard.SAVE_ERRORS as err:
+                if not self.storage.save_failed(err, LOCAL, state.step):
+                    raise
+
+    @contextlib.contextmanager
+    def _global_save_kept_on_a_local_stop(self) -> Iterator[None]:
+        """When the local tier stops training (its storage failed), commit the global save in flight first.
+
+        The stop is agreed by every rank at the same point (the storage guard's verdict, or a failed background
+        write that every rank sees in the same poll), so the commit's collectives are safe; the global write is
+        healthy and would otherwise be abandoned (its writer may still be busy when the stop comes, under load).
+        """
+        try:
+            yield
+        except TrainingExit:
+            if self._queue is not None and self._pending is not None:
+                logger.warning(
+                    "the local tier stopped training: committing the global save of iteration %d first", self._pending
+                )
+                self._finalize_global(blocking=True)
+            raise
+
+    def _keep_in_local_tier(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, state: Any) -> None:
+        """``global_save_failure_policy="continue_local"``: the global save failed; keep the state in the local tier."""
+        if self.local is not None and self.local.last_saved_iteration != state.step:
+            self.save_local(model, optimizer, scheduler, state)
+
+    def _local_saved(self, iteration: int) -> None:
+        self.storage.sizes[LOCAL] = self.local.node_bytes(iteration) if self.local is not None else None
+        self._on_saved(
+            self.cfg.non_persistent_local_ckpt_dir, self.api.CheckpointType.LOCAL, iteration, self._in_finalize()
+        )
+
+    def _in_finalize(self) -> Optional[float]:
+        """Seconds since the running finalize began; ``None`` outside one (a synchronous save commits in its call)."""
+        return None if self._finalizing_since is None else time.perf_counter() - self._finalizing_since
+
+    @contextlib.contextmanager
+    def _finalizing(self) -> Iterator[None]:
+        self._finalizing_since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._finalizing_since = None
+
+    def _generator_states(self) -> dict[str, Any]:
+        """The generator states of this rank, collected by :func:`get_rng_state` (each rank stores its own)."""
+        return self.api.get_rng_state(False, "torch_dist", pg_collection=checkpoint_process_groups()).data[0]
+
+    def _extras(self) -> dict[str, Any]:
+        return {name: provide() for name, provide in self._common_extra.items()}
+
+    @property
+    def async_save_in_flight(self) -> bool:
+        """Whether an async save of either tier was scheduled and not committed yet (the same on every rank)."""
+        local = self.local is not None and self.local.pending_iteration is not None
+        return local or (self._queue is not None and self._pending is not None)
+
+    def busy_here(self) -> AsyncSavesBusy:
+        """Which tiers have an async save in flight whose background write has not finished on this rank.
+
+        No collective: the training loop agrees every rank's answer in the one collective of its step and hands the
+        result to :meth:`finalize`.
+        """
+        busy = self._queue is not None and self._pending is not None
+        return AsyncSavesBusy(
+            busy and not upstream.async_call_finished_here(self._queue),
+            self.local is not None and self.local.busy_here(),
+        )
+
+    def finalize(self, blocking: bool = False, busy_anywhere: Optional[AsyncSavesBusy] = None) -> None:
+        """Commit a finished async save; with ``blocking``, wait for it. Call on every rank at the same step.
+
+        Args:
+            blocking: wait for the saves in flight.
+            busy_anywhere: :meth:`busy_here` of every rank, combined (any rank busy) and agreed by every rank
+                beforehand: a tier no rank is busy with is committed without a poll collective, the others are left
+                for a later step. ``None``: each tier polls every rank itself (one all-reduce each).
+        """
+        local_iteration = self.local.pending_iteration if self.local is not None else None
+        with self._global_save_kept_on_a_local_stop():
+            try:
+                if self.local is not None:
+                    with self._finalizing():
+                        self.local.finalize(blocking, None if busy_anywhere is None else busy_anywhere.local_tier)
+            except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
+                if not self.storage.save_failed(err, LOCAL, local_iteration or 0):
+                    raise
+        if busy_anywhere is not None and busy_anywhere.global_tier and not blocking:
+            return
+        with self._finalizing():
+            self._finalize_global(blocking, no_dist=busy_anywhere is not None and not blocking)
+
+    def _finalize_global(self, blocking: bool, no_dist: bool = False) -> None:
+        """Commit the global save in flight if every rank finished writing it (wait for it with ``blocking``)."""
+        if self._queue is None or self._pending is None:
+            return
+        iteration = self._pending
+        try:
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
+        except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
+            self._pending = None
+            if not self.storage.save_failed(err, GLOBAL, iteration, self._pending_tmp):
+                raise
+            return
+        if done:
+            self._pending = None
+            logger.info(
+                "finalized async checkpoint save at iteration %d (commit %.3f s)",
+                iteration,
+                self.last_finalize_seconds,
+            )
