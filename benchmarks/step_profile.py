@@ -44,7 +44,7 @@ WORK = (
 FEATURES = (
     ("get_batch", "data: next batch (workers, collation)"),
     ("train_step (bridge/training/train.py", "loop: step bookkeeping (zero grads, learning rate, metrics)"),
-    ("CheckpointManager.finalize (bridge/training/checkpointing.py", "async saves: commit when done"),
+    ("SavePath.finalize (bridge/training/checkpoint/saving.py", "async saves: commit when done"),
     ("agree_after_step (bridge/training/train.py", "the step's one agreement all-reduce (stop flags, saves in flight)"),
     (
         "RerunController.passes (bridge/training/health/rerun.py",
@@ -56,6 +56,7 @@ FEATURES = (
     ("_StepHolder.__call__ (bridge/training/nvrx_straggler.py", "straggler detection: step timing"),
     ("StragglerCallback", "straggler detection: per-step check and reports"),
     ("StepFaults", "fault injection hooks"),
+    ("FaultInjection", "fault injection hooks"),
     ("EventRecorder", "event stream"),
     ("FaultToleranceCallback", "fault tolerance sections (heartbeats)"),
     ("HangWatchCallback", "hang attribution watch"),
@@ -64,8 +65,8 @@ FEATURES = (
     ("GoodputTracker.progress", "goodput: progress record (log interval)"),
     ("reduce_losses (bridge/training/losses.py", "loss reduction for logging (log interval)"),
     ("MetricsWriter", "metrics: log lines and TensorBoard (log interval)"),
-    ("CheckpointManager.save_local", "local-tier saves: blocking part"),
-    ("CheckpointManager.save (bridge/training/checkpointing.py", "global saves: blocking part"),
+    ("SavePath.save_local (bridge/training/checkpoint/saving.py", "local-tier saves: blocking part"),
+    ("SavePath.save (bridge/training/checkpoint/saving.py", "global saves: blocking part"),
     ("GarbageCollectionCallback", "garbage collection: one collection and freeze at the start (once)"),
     ("_fire (bridge/training/train.py", "callbacks: dispatch"),
 )

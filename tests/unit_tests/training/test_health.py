@@ -136,19 +136,19 @@ def test_a_reused_attempt_name_keeps_the_earlier_evidence(tmp_path):
 
 
 def test_a_long_healthy_step_does_not_dump_when_only_the_ping_is_on():
-    from megatron.bridge.training.pretrain import _stack_dump_delay
+    from megatron.bridge.training.health.hang_attribution import stack_dump_delay
 
     cfg = base_config()
     cfg.health.liveness_ping_interval, cfg.health.liveness_ping_timeout = 10, 60.0
     ft = lambda section: None  # noqa: E731 - fault tolerance's section timeouts: none
     watch = types.SimpleNamespace(last_duration=lambda section: 45.0)
-    assert _stack_dump_delay(cfg, ft, watch, "step") == 75.0  # past a 45 s step by half the ping timeout
-    assert _stack_dump_delay(cfg, ft, watch, "checkpointing") is None
+    assert stack_dump_delay(cfg, ft, watch, "step") == 75.0  # past a 45 s step by half the ping timeout
+    assert stack_dump_delay(cfg, ft, watch, "checkpointing") is None
     ft = {"step": 100.0, "checkpointing": 20.0}.get
-    assert _stack_dump_delay(cfg, ft, watch, "step") == 50.0  # half the ft timeout comes first
-    assert _stack_dump_delay(cfg, ft, watch, "checkpointing") == 10.0
+    assert stack_dump_delay(cfg, ft, watch, "step") == 50.0  # half the ft timeout comes first
+    assert stack_dump_delay(cfg, ft, watch, "checkpointing") == 10.0
     cfg.health.stack_dump_after = 0
-    assert _stack_dump_delay(cfg, ft, watch, "step") is None
+    assert stack_dump_delay(cfg, ft, watch, "step") is None
 
 
 class _OneRank:

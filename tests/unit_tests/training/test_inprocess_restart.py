@@ -12,6 +12,7 @@ import torch
 from tests.unit_tests.configs import base_config
 
 from megatron.bridge.training import inprocess_restart
+from megatron.bridge.training.components.base import Teardown
 from megatron.bridge.training.config import InProcessRestartConfig
 from megatron.bridge.training.inprocess_restart import (
     GPU_RESTART_CHECKS,
@@ -20,7 +21,6 @@ from megatron.bridge.training.inprocess_restart import (
     build_wrapper,
     maybe_wrap_for_inprocess_restart,
 )
-from megatron.bridge.training.pretrain import _Teardown
 from megatron.bridge.training.state import GlobalState
 from megatron.bridge.training.utils.overrides import apply_overrides
 
@@ -287,7 +287,7 @@ def test_teardown_runs_each_step_once_and_finishes_after_an_interruption():
         if calls.count("b") == 1:
             raise Interrupted
 
-    teardown = _Teardown(lambda: [lambda: calls.append("a"), interrupted_the_first_time, lambda: calls.append("c")])
+    teardown = Teardown(lambda: [lambda: calls.append("a"), interrupted_the_first_time, lambda: calls.append("c")])
     with pytest.raises(Interrupted):
         teardown()
     teardown()  # the wrapper's finalize step: the interrupted step again, then the rest
@@ -302,7 +302,7 @@ def test_a_failing_teardown_step_is_logged_and_the_later_ones_still_run(caplog):
         calls.append("close")
         raise OSError("Writer is closed")
 
-    teardown = _Teardown(lambda: [half_closed_writer, lambda: calls.append("rank monitor client shut down")])
+    teardown = Teardown(lambda: [half_closed_writer, lambda: calls.append("rank monitor client shut down")])
     with caplog.at_level(logging.WARNING):
         teardown()
     teardown()  # nothing left: the failed step is not retried

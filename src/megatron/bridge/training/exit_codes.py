@@ -9,6 +9,7 @@ Codes 16 and 17 are megatron-core's re-run state machine codes and keep their up
 
 import enum
 from collections.abc import Sequence
+from typing import Optional
 
 
 class ExitCode(enum.IntEnum):
@@ -118,3 +119,13 @@ class TrainingExit(SystemExit):
 
     def __str__(self) -> str:
         return f"{self.exit_code.name} (exit code {int(self.exit_code)}): {self.reason}"
+
+
+def exit_code_of(err: BaseException) -> Optional[int]:
+    """The exit code ``err`` ends the process with (``None`` when an outer layer may still catch it)."""
+    code = getattr(err, "exit_code", None)
+    if code is not None:
+        return int(code)
+    if isinstance(err, SystemExit):
+        return err.code if isinstance(err.code, int) else 1
+    return None

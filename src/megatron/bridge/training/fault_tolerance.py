@@ -27,6 +27,7 @@ the longest time seen) after every checkpoint save and at the end of the run, ea
 by the next run.
 """
 
+import functools
 import io
 import json
 import logging
@@ -34,9 +35,9 @@ import os
 import random
 from typing import Any, Optional
 
-from megatron.bridge.training.callbacks import Callback
-from megatron.bridge.training.config import ConfigContainer
-from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode
+from megatron.bridge.training.components import Component, Run
+from megatron.bridge.training.config import ConfigContainer, is_enabled
+from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, exit_code_of
 from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.training.faults.injection import Fault
 from megatron.bridge.training.health.rank_monitor_client import LayeredClient, describe, missing_sections, timeout_of
@@ -364,8 +365,50 @@ def _maybe_update_timeouts(global_state: Any, is_closing_ft: bool = False) -> No
 # --------------------------------------------------------------------- the loop's callback, simulated faults
 
 
-class FaultToleranceCallback(Callback):
-    """The loop's sections, reported through the module functions."""
+class FaultToleranceCallback(Component):
+    """Fault tolerance as a run's component: the rank monitor's sections, its timeouts, and the exit it is told.
+
+    Always in the run (telling the launcher and job script not to restart after a stop works with fault tolerance
+    off too); it connects to the rank monitor only with ``ft.enable_ft_package``. It offers the sections' timeouts
+    as :attr:`Run.section_timeout` (hang attribution dumps stacks before they strike).
+    """
+
+    def __init__(self, global_state: Any = None) -> None:
+        self._state = global_state
+
+    @classmethod
+    def build(cls, run: Run) -> "FaultToleranceCallback":
+        """Connect first: a hang from here on is the ``setup`` section's."""
+        cfg, state = run.cfg, run.global_state
+        if is_enabled(cfg.ft):
+            setup(cfg, state)
+            if is_enabled(cfg.inprocess_restart):  # the inner layer acts first: no hang timeout below its hard timeout
+                keep_timeouts_at_least(state, cfg.inprocess_restart.hard_timeout)
+        run.section_timeout = functools.partial(section_timeout, state)
+        return cls(state)
+
+    def ready(self, run: Run) -> None:
+        """Tell the monitor which tier the run resumed from; arm ``ft.simulate_fault``."""
+        tier = run.checkpoints.resumed["tier"]
+        if tier is not None:
+            on_checkpoint_loaded(tier == "local", run.global_state)
+        maybe_setup_simulated_fault(run.cfg.ft, seed=run.cfg.rng.seed)
+
+    def finish(self, run: Run, code: Any, reason: str) -> None:
+        """Tell the launcher whether to restart; every rank ends here, so the whole run's timeouts can be learned."""
+        report_exit(run.global_state, code)
+        shutdown(run.global_state)
+
+    def fail(self, run: Run, err: BaseException) -> None:
+        """Best effort, before the process group is aborted: an exit whose action is *stop* is no restart."""
+        code = exit_code_of(err)
+        if code in STOP_CODES:
+            report_exit(run.global_state, ExitCode(code))
+
+    def close(self) -> None:
+        """Disconnect from the rank monitor (a finished run shut down already, learning its timeouts)."""
+        if self._state is not None:
+            abort(self._state)
 
     def on_train_step_start(self, context: Any) -> None:
         """Open ``step`` (the first step closes ``setup``)."""
@@ -393,12 +436,15 @@ class FaultToleranceCallback(Callback):
 
 
 _SIMULATED = {"rank_hung": "hang", "rank_killed": "kill"}
-"""The fault-injection kind of each ``ft.simulated_fault_type``."""
+"""The fault kind (``faults/spec.py``) of each ``ft.simulated_fault_type``."""
+SIMULATED_SOURCE = "ft.simulate_fault (ft.simulated_fault_type, ft.simulated_fault_rank, ft.simulated_fault_base_delay)"
+"""How a bad simulated fault's error names its source."""
 
 
 def maybe_setup_simulated_fault(config: Any, seed: int = 0, world_size: Optional[int] = None) -> list[Fault]:
     """Arm ``ft.simulate_fault`` in the fault-injection registry; return the fault armed (none when it is off).
 
+    The fields become the fault spec ``<kind>@<delay>s:<rank>`` (``faults/spec.py``), read by the one parser:
     ``rank_hung`` is ``hang`` (SIGSTOP), ``rank_killed`` is ``kill`` (SIGKILL), ``random`` one of the two; with
     ``simulated_fault_rank=None`` the rank is drawn too, the same on every rank (from ``seed``; the loop passes
     ``rng.seed``), so no collective is needed. It strikes ``simulated_fault_base_delay`` seconds after the rank
@@ -410,9 +456,10 @@ def maybe_setup_simulated_fault(config: Any, seed: int = 0, world_size: Optional
         world_size: ranks to draw from; the process group's (or ``$WORLD_SIZE``) by default.
 
     Raises:
-        ValueError: ``simulated_fault_type`` is none of ``rank_hung``, ``rank_killed``, ``random``.
+        ValueError: ``simulated_fault_type`` is none of ``rank_hung``, ``rank_killed``, ``random``; or the fault is
+            not a valid spec (a negative delay or rank), named as from :data:`SIMULATED_SOURCE`.
     """
-    if config is None or not (config.enable_ft_package and config.simulate_fault):
+    if not (is_enabled(config) and config.simulate_fault):
         return []
     kind = config.simulated_fault_type
     if kind not in (*_SIMULATED, "random"):
@@ -422,7 +469,8 @@ def maybe_setup_simulated_fault(config: Any, seed: int = 0, world_size: Optional
     rank = config.simulated_fault_rank if config.simulated_fault_rank is not None else chooser.randrange(world_size)
     if kind == "random":
         kind = chooser.choice(["rank_hung", "rank_killed"])
-    fault = Fault(_SIMULATED[kind], None, rank, seconds=float(config.simulated_fault_base_delay))
+    delay = float(config.simulated_fault_base_delay)
+    (fault,) = fault_injection.parse(f"{_SIMULATED[kind]}@{delay!r}s:{rank}", SIMULATED_SOURCE)
     if get_rank_safe() == rank:
         logger.warning("[FaultTolerance] simulated fault %s on rank %d: injected as %s", kind, rank, fault)
     fault_injection.registry().add(fault)

@@ -46,11 +46,12 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.components import Component, Run
 from megatron.bridge.training.config_sections.resiliency import NVRxStragglerDetectionConfig
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode
+from megatron.bridge.utils.fields import is_enabled
 from megatron.bridge.utils.optional_imports import STRAGGLER_PACKAGES
 
 
@@ -478,17 +479,45 @@ def _emit_report(report: StragglerReport) -> None:
             )
 
 
-class StragglerCallback(Callback):
-    """Counts each step and, when a report is due, scores the ranks; a stop it asks for ends the run after the step.
+class StragglerCallback(Component):
+    """Straggler detection as a run's component: times each step, scores the ranks when a report is due.
+
+    Off (no component) when ``nvrx_straggler`` is ``None`` or not enabled. It wraps the forward step and the whole
+    training step with its timers, counts each step and, when a report is due, logs the scores; a stop it asks for
+    ends the run after the step.
 
     Args:
-        manager: the run's detection manager (a disabled one does nothing).
+        manager: the run's detection manager.
         log_scalars: writes the report's scalars (``straggler/...``) at an iteration (to TensorBoard).
     """
 
     def __init__(self, manager: NVRxStragglerDetectionManager, log_scalars: Callable[[dict, int], None]) -> None:
         self.manager = manager
         self.log_scalars = log_scalars
+
+    @classmethod
+    def build(cls, run: Run) -> Optional["StragglerCallback"]:
+        """The state's manager (``GlobalState.nvrx_straggler_manager``), or ``None`` when detection is off.
+
+        A present but disabled section still gets a manager from the state (as in Megatron-Bridge), which the
+        state's reset shuts down; the run has no component for it.
+        """
+        if not is_enabled(run.cfg.nvrx_straggler):
+            return None
+        manager = run.global_state.nvrx_straggler_manager
+        return cls(manager, lambda scalars, iteration: run.metrics.log_scalars(scalars, iteration))
+
+    def setup(self, run: Run) -> None:
+        """Start the detector (process-global in nvidia-resiliency-ext)."""
+        self.manager.initialize()
+
+    def wrap_forward_step(self, forward_step: Callable) -> Callable:
+        """Time each forward (the detector's per-section scores)."""
+        return self.manager.wrap_forward_step(forward_step)
+
+    def wrap_train_step(self, train_step: Callable) -> Callable:
+        """Time the whole step on the device (the detector's kernel scores)."""
+        return self.manager.wrap_train_step_function(train_step)
 
     def on_train_step_end(self, context: Any) -> None:
         """Count the step; on a report step, log the scores and pass on a stop request."""
@@ -500,6 +529,10 @@ class StragglerCallback(Callback):
             self.log_scalars(result.scalars, iteration)
         if result.stop_reason is not None:  # on every rank alike: rank 0's decision is broadcast
             context.state.request_stop(ExitCode.STRAGGLER_STOP, result.stop_reason)
+
+    def close(self) -> None:
+        """Shut the detector down: it is process-global, a later run in this process needs it free."""
+        self.manager.shutdown()
 
 
 def check_nvrx_straggler_detection(nvrx_straggler_manager: Optional[NVRxStragglerDetectionManager]) -> bool:

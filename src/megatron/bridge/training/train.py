@@ -1,9 +1,10 @@
 """The training loop, written as the ordered list of moments every step goes through.
 
-The loop's features are callbacks on the same events user callbacks get (``callbacks.py``), run before the user's
-in this order: goodput, the event stream, fault tolerance, hang attribution, fault injection, liveness ping,
-straggler detection, garbage collection (``pretrain.py`` registers them). ``on_train_start``: garbage collection
-freezes what set-up built (``utils/garbage_collection.py``). One iteration:
+The loop's features are components (``components/base.py``): callbacks on the same events user callbacks get
+(``callbacks.py``), run before the user's in the one order ``pretrain.FEATURES`` declares (of those with loop
+events: goodput, the event stream, fault tolerance, hang attribution, fault injection, liveness ping, straggler
+detection, garbage collection); the loop knows none of them by name. ``on_train_start``: garbage collection freezes
+what set-up built. One iteration:
 
 1. ``on_train_step_start``: goodput (the first step ends this attempt's start-up); fault tolerance opens the
    ``step`` section and hang attribution watches it (this rank's stacks are written if it stays open too long);
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from megatron.bridge.training import eval as evaluation
 from megatron.bridge.training.callbacks import CallbackManager, fire_event
 from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
-from megatron.bridge.training.checkpointing import CheckpointManager
+from megatron.bridge.training.checkpoint.manager import CheckpointManager
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.goodput import GoodputTracker
@@ -55,7 +56,6 @@ from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.health.rerun import RerunController, StepVerdict
 from megatron.bridge.training.losses import reduce_losses
 from megatron.bridge.training.nvrx_straggler import (
-    NVRxStragglerDetectionManager,
     check_nvrx_straggler_detection,  # noqa: F401 - Megatron-Bridge's train.py offers it too
 )
 from megatron.bridge.training.state import GlobalState, TrainState
@@ -79,8 +79,8 @@ class TrainContext:
     forward_step_func: Callable
     checkpoints: CheckpointManager
     metrics: MetricsWriter
-    straggler: NVRxStragglerDetectionManager
-    """Times the forward and backward of each step (its per-step check is a callback)."""
+    wrap_train_step: Callable[[Callable], Callable]
+    """The whole step wrapped by the run's features (straggler detection times it on the device)."""
     signals: DistributedSignalHandler
     rerun: RerunController
     goodput: GoodputTracker
@@ -303,7 +303,7 @@ def train(ctx: TrainContext) -> tuple[ExitCode, str]:
 
 def _train_loop(ctx: TrainContext) -> tuple[ExitCode, str]:
     cfg = ctx.cfg
-    timed_train_step = ctx.straggler.wrap_train_step_function(train_step)  # train_step itself when detection is off
+    timed_train_step = ctx.wrap_train_step(train_step)  # train_step itself when no feature wraps it
     while True:
         _fire(ctx, "on_train_step_start")
         log_this_step = ctx.metrics.due(ctx.state.step + 1)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.components import Component, Run
 from megatron.bridge.utils.fs import atomic_write_json
 from megatron.bridge.utils.process_start import process_start_time
 
@@ -301,11 +301,47 @@ class GoodputTracker:
             logger.warning("goodput: could not write %s: %s", path, err)
 
 
-class GoodputCallback(Callback):
-    """The tracker's view of the loop: the first step ends start-up, steps are productive or re-run, saves are lost."""
+class GoodputCallback(Component):
+    """Goodput as a run's component: the first step ends start-up, steps are productive or re-run, saves are lost.
+
+    It offers its tracker as :attr:`Run.goodput` (the loop adds re-run passes and commit waits to it) and its ledger
+    as a checkpoint entry (:attr:`Run.checkpoint_extras`), so a resumed run goes on counting where the checkpoint
+    left off.
+    """
 
     def __init__(self, tracker: GoodputTracker) -> None:
         self.tracker = tracker
+
+    @classmethod
+    def build(cls, run: Run) -> "GoodputCallback":
+        """Count this attempt from its start: an in-process restart iteration's own, else the process start."""
+        tracker = GoodputTracker(
+            run.job_id,
+            run.attempt,
+            run.attempt_start,
+            run.cfg.checkpoint.save,
+            run.rank,
+            process_start=run.process_start,
+        )
+        run.goodput = tracker
+        run.checkpoint_extras[ENTRY] = tracker.snapshot
+        return cls(tracker)
+
+    def ready(self, run: Run) -> None:
+        """Carry on the ledger of the checkpoint the run resumed from (none: a fresh start)."""
+        checkpoints = run.checkpoints
+        loaded = checkpoints.resumed["tier"] is not None
+        self.tracker.resume(checkpoints.loaded_common_extra.get(ENTRY), run.global_state.train_state.step, loaded)
+
+    def finish(self, run: Run, code: Any, reason: str) -> None:
+        """Write the attempt's summary."""
+        self.tracker.finish(run.global_state.train_state.step, f"{code.name} (exit code {int(code)})")
+
+    def fail(self, run: Run, err: BaseException) -> None:
+        """Best effort: the summary of an attempt that is ending with an exception."""
+        code = getattr(err, "exit_code", None)  # a TrainingExit's ExitCode
+        ended = f"{code.name} (exit code {int(code)})" if code is not None else type(err).__name__
+        self.tracker.finish(None, ended, failed=True)
 
     def on_train_step_start(self, context: Any) -> None:
         """The first step ends start-up."""

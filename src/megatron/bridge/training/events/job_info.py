@@ -12,6 +12,9 @@ import socket
 import time
 from typing import Any, Optional
 
+from megatron.bridge.training.components import Component, Run
+from megatron.bridge.utils import launch_env
+
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "job_info.jsonl"
@@ -57,16 +60,17 @@ def collect(
         resumed: what the run resumed from (tier, iteration, directory, why).
     """
     env = os.environ if env is None else env
+    launch = launch_env.current(env)
     slurm = {key: env[var] for key, var in _SLURM.items() if var in env}
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": socket.gethostname(),
         "launcher": detect_launcher(env),
-        "world_size": int(env.get("WORLD_SIZE", "1")),
-        "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE", "1")),
+        "world_size": launch.world_size,
+        "ranks_per_node": launch.ranks_per_node,
         "device": device,
         "restarts": {
-            "in_job": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "in_job": launch.restart_count,
             "in_process": inprocess_iteration,
             "requeue": int(slurm.get("restart_count", "0")),
         },
@@ -108,3 +112,20 @@ def report(info: dict[str, Any], save_dir: Optional[str]) -> None:
     os.makedirs(save_dir, exist_ok=True)
     with open(os.path.join(save_dir, FILE_NAME), "a") as f:
         f.write(json.dumps(info, sort_keys=True) + "\n")
+
+
+class JobInfo(Component):
+    """The job-info block as a run's component: rank 0 reports it once the run knows what it resumed from."""
+
+    def ready(self, run: Run) -> None:
+        """Rank 0 logs the block and appends it to ``<checkpoint.save>/job_info.jsonl``."""
+        if run.rank != 0:
+            return
+        ckpt = run.cfg.checkpoint
+        info = collect(
+            device=str(run.device),
+            inprocess_iteration=run.inprocess_iteration,
+            checkpoint={"save": ckpt.save, "load": ckpt.load, "local": ckpt.non_persistent_local_ckpt_dir},
+            resumed=run.checkpoints.resumed,
+        )
+        report(info, ckpt.save)

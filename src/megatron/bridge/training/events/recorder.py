@@ -16,9 +16,10 @@ import os
 import time
 from typing import Any, Optional
 
-from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.components import Component, Run
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind
+from megatron.bridge.training.exit_codes import exit_code_of
 
 
 def directory_bytes(path: str, prefix: str = "") -> Optional[int]:
@@ -41,16 +42,26 @@ def _tier(checkpoint_type: Any) -> str:
     return str(getattr(checkpoint_type, "value", checkpoint_type))
 
 
-class EventRecorder(Callback):
+class EventRecorder(Component):
     """Writes this rank's attempt, step, checkpoint and exit events (nothing when no event directory is set).
+
+    As a run's component it records the attempt's start when built, the checkpoint it resumed from (its load time
+    from :attr:`Run.load_started`), and the exit: the code training ended with, or the exception it unwound with.
 
     Args:
         rank: this process's global rank (rank 0 measures checkpoint sizes).
         flush_interval: the steps between writes of the buffered step events (the loop's log interval).
         writer: where events go (default: this process's, :func:`event_stream.writer`; tests pass their own).
+        run: the attempt it records (its checkpoint load's start), when it is a run's component.
     """
 
-    def __init__(self, rank: int, flush_interval: int = 1, writer: Optional[event_stream.EventWriter] = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        flush_interval: int = 1,
+        writer: Optional[event_stream.EventWriter] = None,
+        run: Optional[Run] = None,
+    ) -> None:
         self.rank = rank
         self.flush_interval = max(1, flush_interval)
         self._emit = writer.emit if writer is not None else event_stream.emit
@@ -59,6 +70,24 @@ class EventRecorder(Callback):
         """Iteration -> what is known of its save so far (start, blocking seconds, commit)."""
         self._current: Optional[int] = None
         self._load_started: Optional[float] = None
+        self._run = run
+
+    @classmethod
+    def build(cls, run: Run) -> "EventRecorder":
+        """The recorder of this rank, flushing step events every log interval; the attempt's start is recorded now."""
+        recorder = cls(run.rank, flush_interval=run.cfg.logger.log_interval, run=run)
+        recorder.attempt_started(
+            process_start=run.process_start, attempt_start=run.attempt_start, attempt=run.attempt, job_id=run.job_id
+        )
+        return recorder
+
+    def finish(self, run: Run, code: Any, reason: str) -> None:
+        """The ``exit`` event of a run that ended with ``code``."""
+        self.exited(int(code), reason)
+
+    def fail(self, run: Run, err: BaseException) -> None:
+        """The ``exit`` event of an attempt unwinding with ``err``."""
+        self.exited(exit_code_of(err), f"{type(err).__name__}: {err}"[:500])
 
     # -------------------------------------------------------------- calls from pretrain
 
@@ -121,6 +150,8 @@ class EventRecorder(Callback):
         tier = _tier(context.checkpoint_type)
         iteration = getattr(context, "iteration", None)
         started, self._load_started = self._load_started, None
+        if started is None and self._run is not None:
+            started = self._run.load_started
         self._emit(
             EventKind.CHECKPOINT_LOADED,
             tier=tier,

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from megatron.bridge.training.components import Component, Run
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.utils.optional_imports import require
 
@@ -138,3 +139,11 @@ def _fail(device: torch.device, check: str, detail: str) -> None:
     raise TrainingExit(
         ExitCode.DEVICE_UNHEALTHY, f"device health check '{check}' failed on {device}: {detail}; exclude this node"
     )
+
+
+class DeviceHealth(Component):
+    """The device checks as a run's component: run once the process group (and so the device) exists."""
+
+    def setup(self, run: Run) -> None:
+        """Check ``run.device``; an unhealthy one stops the rank with ``DEVICE_UNHEALTHY`` before training starts."""
+        check_device_health(run.device)

@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, Optional
 
-from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.components import Component, Run
+from megatron.bridge.training.config import is_enabled as enabled
+from megatron.bridge.utils import launch_env
 from megatron.bridge.utils.fs import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -52,12 +54,9 @@ def attempt_name(env: Optional[dict[str, str]] = None, inprocess_iteration: int 
     The job is the Slurm job id, else the launcher's run id (torchrun's ``--standalone`` draws a new one per launch),
     else ``local``: chained jobs that share a save directory get attempts of their own.
     """
-    env = os.environ if env is None else env
-    job = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local"
-    job = re.sub(r"[^\w.-]", "_", job)
-    requeue = env.get("SLURM_RESTART_COUNT", "0")
-    in_job = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"attempt_{job}_{requeue}_{in_job}_{inprocess_iteration}"
+    launch = launch_env.current(env)
+    job = re.sub(r"[^\w.-]", "_", launch.job_id)
+    return f"attempt_{job}_{launch.requeue_count}_{launch.restart_count}_{inprocess_iteration}"
 
 
 class HangWatch:
@@ -165,11 +164,42 @@ class HangWatch:
         logger.warning("[attribution] %s; all stacks in %s", summarize_stack_file(self.path), self.path)
 
 
-class HangWatchCallback(Callback):
-    """Opens the watch's ``step`` section for each step and its ``checkpointing`` section for each save."""
+class HangWatchCallback(Component):
+    """Hang attribution as a run's component: watches set-up, each step and each save.
 
-    def __init__(self, watch: HangWatch) -> None:
+    Built before the process group exists, it watches the ``setup`` section until training is :meth:`ready`; then
+    the ``step`` section of each step and the ``checkpointing`` section of each save. It offers
+    :attr:`Run.where_is` to the liveness ping (a dead peer's report names where this rank is) and reads
+    :attr:`Run.section_timeout` (fault tolerance's, declared before it) for its dump delay.
+    """
+
+    def __init__(self, watch: HangWatch, directory: Optional[str] = None) -> None:
         self.watch = watch
+        self.directory = directory
+
+    @classmethod
+    def build(cls, run: Run) -> "HangWatchCallback":
+        """Watch this attempt's ``setup`` section; stacks go to ``<checkpoint.save>/attribution`` when configured."""
+        directory = attribution_dir(run.cfg)
+        watch = HangWatch(
+            directory,
+            run.attempt,
+            run.rank,
+            lambda section: stack_dump_delay(run.cfg, run.section_timeout, watch, section),
+        )
+        if directory is not None:
+            run.where_is = watch.where_is
+        watch.open("setup")
+        return cls(watch, directory)
+
+    def setup(self, run: Run) -> None:
+        """Rank 0 summarizes the attempts before this one that left stacks."""
+        if run.rank == 0 and self.directory is not None:
+            summarize_earlier_attempts(self.directory, run.attempt)
+
+    def ready(self, run: Run) -> None:
+        """Set-up is over: fault tolerance's ``setup`` section ends with the first step's start."""
+        self.watch.close()
 
     def on_train_step_start(self, context: Any) -> None:
         """Watch the ``step`` section."""
@@ -186,6 +216,39 @@ class HangWatchCallback(Callback):
     def on_checkpoint_save_end(self, context: Any) -> None:
         """The save returned: stop watching it."""
         self.watch.close()
+
+    def close(self) -> None:
+        """Stop the watchdog thread (a file holding only this start's header is removed)."""
+        self.watch.shutdown()
+
+
+def attribution_dir(cfg: Any) -> Optional[str]:
+    """Where hang attribution writes stacks: ``<checkpoint.save>/attribution`` when a stack dump can happen."""
+    after = cfg.health.stack_dump_after
+    watched = enabled(cfg.ft) or enabled(cfg.inprocess_restart) or cfg.health.liveness_ping_interval > 0
+    if cfg.checkpoint.save is None or after == 0 or (after is None and not watched):
+        return None
+    return os.path.join(cfg.checkpoint.save, "attribution")
+
+
+def stack_dump_delay(
+    cfg: Any, section_timeout: Callable[[str], Optional[float]], watch: HangWatch, section: str
+) -> Optional[float]:
+    """Seconds ``section`` may stay open before the stacks are dumped (evaluated at every section start).
+
+    The configured value, or the earliest of: half of each hang timeout on the section's own length (an ft section
+    timeout, learned ones included; ``inprocess_restart.soft_timeout``), and for a step, half of
+    ``health.liveness_ping_timeout`` past the last step's length (the ping bounds how far ranks drift apart, not how
+    long a step takes, so a long healthy step never dumps; a rank stuck before the ping dumps before its peers give up).
+    """
+    if cfg.health.stack_dump_after is not None:
+        return cfg.health.stack_dump_after or None
+    limits = [t / 2 for t in (section_timeout(section),) if t]
+    if enabled(cfg.inprocess_restart) and section != "setup":
+        limits.append(cfg.inprocess_restart.soft_timeout / 2)
+    if section == "step" and cfg.health.liveness_ping_interval:
+        limits.append(cfg.health.liveness_ping_timeout / 2 + watch.last_duration("step"))
+    return min(limits) if limits else None
 
 
 def _thread_id() -> str:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.components import Component, Run
 from megatron.bridge.training.config import HealthConfig
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind, Mechanism
@@ -177,12 +177,29 @@ class LivenessPing:
             time.sleep(_POLL_S)
 
 
-class LivenessCallback(Callback):
-    """Pings, when due, at the start of a step: before any collective of the step, a save's commit included."""
+class LivenessCallback(Component):
+    """The liveness ping as a run's component: pings, when due, at the start of a step.
+
+    Before any collective of the step, a save's commit included. A dead peer's report names where this rank is
+    when hang attribution offers it (:attr:`Run.where_is`).
+    """
 
     def __init__(self, ping: LivenessPing) -> None:
         self.ping = ping
 
+    @classmethod
+    def build(cls, run: Run) -> "LivenessCallback":
+        """The ping of ``health`` (it does nothing when ``health.liveness_ping_interval`` is 0)."""
+        return cls(LivenessPing(run.cfg.health, run.attempt, run.where_is))
+
+    def setup(self, run: Run) -> None:
+        """Make the ping's process group (the run's one exists now)."""
+        self.ping.setup()
+
     def on_train_step_start(self, context: Any) -> None:
         """Ping every rank if the step about to run is due."""
         self.ping.maybe_ping(context.state.train_state.step + 1)
+
+    def close(self) -> None:
+        """Destroy the ping's process group."""
+        self.ping.shutdown()

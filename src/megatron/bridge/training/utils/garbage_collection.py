@@ -24,8 +24,8 @@ import gc
 import logging
 from typing import Any
 
-from megatron.bridge.training.callbacks import Callback
-from megatron.bridge.training.config import TrainingConfig
+from megatron.bridge.training.components import Component, Run
+from megatron.bridge.training.config import TrainingConfig, is_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ def maybe_run_manual_gc(manual_gc_enabled: bool, manual_gc_interval: int, iterat
         gc.collect()
 
 
-class GarbageCollectionCallback(Callback):
-    """Freezes what set-up built when training starts; runs ``train.manual_gc``'s collections.
+class GarbageCollectionCallback(Component):
+    """Freezes what set-up built when training starts; runs ``train.manual_gc``'s collections (a run's component).
 
     Args:
         cfg: the run's ``train`` section.
@@ -49,6 +49,11 @@ class GarbageCollectionCallback(Callback):
         self.freeze = freeze
         self._froze = False
         self._disabled = False
+
+    @classmethod
+    def build(cls, run: Run) -> "GarbageCollectionCallback":
+        """Freezing is off under in-process restart: the next iteration's set-up must be able to free the last one's."""
+        return cls(run.cfg.train, freeze=not is_enabled(run.cfg.inprocess_restart))
 
     def on_train_start(self, context: Any) -> None:
         """Freeze what exists; with ``manual_gc``, turn automatic collection off and collect once first."""
