@@ -568,7 +568,7 @@ def runtime_config_update(cfg: ConfigContainer) -> None:
     Megatron-Bridge also applies a mixed-precision recipe and communication-overlap settings here; neither exists in
     this framework (``validate()`` refuses both). Calling it twice changes nothing the second time. Like
     ``validate()``, it accepts a config that names no tokenizer; ``pretrain()`` then refuses it before anything
-    starts (``config_validation.require_tokenizer``).
+    starts (``config_checks/container.py``: ``require_tokenizer``).
     """
     apply_environment_variables(cfg)
     cfg.set_data_parallel_size()

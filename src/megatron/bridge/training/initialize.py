@@ -35,7 +35,7 @@ def select_device(local_rank: Optional[int] = None, requested: str = "auto") -> 
     """The device this rank trains on (``dist.device=requested``): its local GPU, checked usable, or the CPU.
 
     ``local_rank`` (``dist.local_rank``) defaults to the launcher's ``LOCAL_RANK``. On CPU the rank gets its share
-    of the CPU cores. The resolution is :func:`device_health.resolve_device`: a visible GPU that does not work is
+    of the CPU cores. The resolution is ``health/device.py``'s ``resolve_device``: a visible GPU that does not work is
     exit 25, never a silent fall-back to CPU. The resolved device is logged once per process.
 
     Raises:

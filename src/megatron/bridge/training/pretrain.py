@@ -198,7 +198,7 @@ def _pretrain(
         signals.unwinding = err  # a preemption signal from now on finds no step boundary: it ends the process
         if run.checkpoints is not None:
             run.checkpoints.close(abort=True)  # other ranks may be elsewhere: no commit collectives now
-        features.fail(run, err)  # fault tolerance first tells the launcher not to restart after a stop
+        features.fail(run, err)  # before the abort: fault tolerance tells the launcher not to restart after a stop
         abort_distributed()  # NCCL peers waiting in a collective with this rank fail now (gloo: at their timeout)
         raise
     finally:
