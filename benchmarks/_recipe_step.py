@@ -16,7 +16,8 @@ from pathlib import Path
 
 from _process import run_or_exit
 
-from megatron.bridge.training.events.stream import EventKind, read_file, worker_file
+from megatron.bridge.training.events.reader import read_file
+from megatron.bridge.training.events.stream import EventKind, worker_file
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "llama3_tiny_pretrain_config"

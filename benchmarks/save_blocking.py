@@ -36,7 +36,8 @@ from typing import Optional
 
 from _result import emit_result
 
-from megatron.bridge.training.events.stream import Event, EventKind, read_file, worker_file
+from megatron.bridge.training.events.reader import read_file
+from megatron.bridge.training.events.stream import Event, EventKind, worker_file
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "save_blocking"

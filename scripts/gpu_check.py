@@ -57,7 +57,8 @@ from gpu_check_report import PEAKS, flops_per_token, peak_flops, write_reports  
 from megatron.bridge.drill import runner  # noqa: E402
 from megatron.bridge.drill.cli import prepare_corpus  # noqa: E402
 from megatron.bridge.training.config_checks.resiliency import INPROCESS_ENV  # noqa: E402
-from megatron.bridge.training.events.stream import Event, EventKind, Mechanism, RestartLayer, read_events  # noqa: E402
+from megatron.bridge.training.events.reader import read_events  # noqa: E402
+from megatron.bridge.training.events.stream import Event, EventKind, Mechanism, RestartLayer  # noqa: E402
 
 WORKER = REPO / "scripts" / "gpu_check_worker.py"
 PLAIN_LOOP = REPO / "benchmarks" / "_plain_mcore_loop.py"

@@ -239,6 +239,10 @@ CHECKS: dict[str, tuple[str, ...]] = {
         "ft_launch: the workers failed with exit code 137 (killed by a signal); the launcher exits with it, not with "
         "ft_launcher's 1",
     ),
+    f"{_TRAINING}/test_no_progress.py::test_no_progress_stops_a_crash_loop_after_the_guard_not_the_budget": (
+        "no-progress guard: no progress in the last … attempts of job … (ft.max_no_progress_restarts=…): …; the same "
+        "failure each time: rank … at iteration …: …",
+    ),
     f"{_TRAINING}/test_fault_tolerance.py::test_a_config_error_under_ft_launcher_is_not_restarted": (
         "ft_launch: a worker exited with exit code 2 (CONFIG_ERROR), whose action is stop: the worker group is not "
         "restarted",
@@ -275,6 +279,9 @@ CHECKS: dict[str, tuple[str, ...]] = {
     ),
     f"{_TRAINING}/test_rerun_state_machine.py::test_persistent_nan_under_ft_launcher_stops_after_bounded_restarts": (
         "Got rescheduled on the same GPU. Need to resume again from the same checkpoint (node: …, gpu: …)",
+    ),
+    f"{_TRAINING}/test_weight_hash.py::test_weight_hash_bitflip_found_rolled_back_ends_as_fault_free": (
+        "weight hash check after iteration …: data-parallel replicas hold different weights: rank(s) … differ …",
     ),
     f"{_TRAINING}/test_rerun_state_machine.py::test_spiky_loss_is_flagged_only_when_checked": (
         "Unexpected result … (message='Spiky loss')",

@@ -16,7 +16,8 @@ from tests import processes
 from tests.resources import free_port
 
 from megatron.bridge.training.checkpoint import compare
-from megatron.bridge.training.events.stream import Event, EventKind, Mechanism, read_events
+from megatron.bridge.training.events.reader import read_events
+from megatron.bridge.training.events.stream import Event, EventKind, Mechanism
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "examples" / "pretrain_tiny_gpt.py"

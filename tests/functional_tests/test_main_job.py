@@ -117,6 +117,14 @@ def test_goodput_is_accounted_across_restarts(main_job):
     phases = [(r["layer"], key, s) for r in result["restart_phases"] for key, s in r.items() if key.endswith("_s")]
     assert {layer for layer, _, _ in phases} == {"in_job", "in_process"}
     assert all(s is None or -0.02 <= s <= result["wall_s"] for _, _, s in phases), phases  # /proc: 10 ms ticks
+    # Each restarting fault's cycle, phase by phase: every phase of its layer measured, none negative, and together
+    # they cover the cycle (detection to first step) but for clock reads.
+    cycles = {c["kind"]: c for c in result["cycles"]}
+    for kind in (f.kind for f in schedule.parse("default") if f.kind in schedule.RELOADING):
+        c = cycles[kind]
+        skipped = {"rendezvous", "process_start"} if c["layer"] == "in_process" else set()
+        assert all((s is None) == (name in skipped) for name, s in c["phases_s"].items()), c
+        assert all(s is None or s >= -0.02 for s in c["phases_s"].values()) and abs(c["unaccounted_s"]) < 0.05, c
 
 
 def test_the_plot_tensorboard_and_checkpoints_are_written(main_job):

@@ -33,7 +33,8 @@ from tests.functional_tests.env_report import record
 from tests.functional_tests.harness import FT_FLAGS, Run, ft_launcher, launch, tail
 from tests.resources import free_port
 
-from megatron.bridge.training.events.stream import EventKind, Mechanism, read_events, read_file, worker_file
+from megatron.bridge.training.events.reader import read_events, read_file
+from megatron.bridge.training.events.stream import EventKind, Mechanism, worker_file
 
 PORT_LIMIT_S = 60
 """Far under the rendezvous timeouts a held port used to cost (600 s read, 900 s join under ft_launcher)."""

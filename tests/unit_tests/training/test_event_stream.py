@@ -17,6 +17,7 @@ from megatron.bridge.training.callbacks import CallbackContext, CheckpointCallba
 from megatron.bridge.training.checkpointing import CheckpointType
 from megatron.bridge.training.events import launcher as launcher_events
 from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.reader import read_events, read_file
 from megatron.bridge.training.events.recorder import EventRecorder
 from megatron.bridge.training.events.stream import (
     SCHEMA_VERSION,
@@ -26,8 +27,6 @@ from megatron.bridge.training.events.stream import (
     Mechanism,
     Process,
     RestartLayer,
-    read_events,
-    read_file,
     worker_file,
 )
 
@@ -87,7 +86,7 @@ def test_every_kind_round_trips_with_its_typed_fields(tmp_path):
 
 def test_every_field_has_a_type_the_reader_checks():
     typed = {*event_stream._ENUMS, *event_stream._INTS, *event_stream._FLOATS, *event_stream._STRS}
-    typed |= {*event_stream._SCORES, "applied", "flagged"}
+    typed |= {*event_stream._SCORES, "applied", "retrying", "flagged"}
     assert {f.name for f in dataclasses.fields(Event)} == typed
 
 
@@ -421,3 +420,21 @@ def test_ft_launch_takes_its_event_dir_flag_before_the_training_command():
         ["--max-restarts", "3", "-m", "mod"],
     )
     assert take(["--nproc-per-node=2", "-m", "mod"]) == (None, ["--nproc-per-node=2", "-m", "mod"])
+
+
+def test_a_line_a_full_disk_cut_is_not_glued_to_the_next_event(tmp_path, monkeypatch):
+    w = _writer(tmp_path)
+    w.emit(EventKind.ATTEMPT_STARTED, attempt="a")
+    real_write = os.write
+
+    def half_then_full(fd, data):  # the disk fills up in the middle of the line
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(event_stream.os, "write", half_then_full)
+    assert w.emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.LIVENESS_PING, rank=1) is None
+    monkeypatch.setattr(event_stream.os, "write", real_write)
+    assert w.emit(EventKind.EXIT, exit_code=0, detail="space freed") is not None  # space came back
+    events, problems = read_file(w.path)
+    assert [e.kind for e in events] == [EventKind.ATTEMPT_STARTED, EventKind.EXIT]
+    assert len(problems) == 1 and "not JSON" in problems[0].reason  # the cut line alone, reported

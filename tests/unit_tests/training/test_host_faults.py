@@ -21,7 +21,8 @@ from megatron.bridge import ft_launch, launch
 from megatron.bridge.training.events import launcher as launcher_events
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.goodput import GoodputTracker
-from megatron.bridge.training.events.stream import EventKind, EventWriter, Mechanism, Process, read_events
+from megatron.bridge.training.events.reader import read_events
+from megatron.bridge.training.events.stream import EventKind, EventWriter, Mechanism, Process
 from megatron.bridge.training.exit_codes import ExitCode
 from megatron.bridge.training.faults import effects as fault_effects
 from megatron.bridge.training.faults import injection as fault_injection

@@ -22,7 +22,8 @@ from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, Sto
 from megatron.bridge.training.config import CheckpointConfig
 from megatron.bridge.training.config_checks.checkpoint import validate_checkpoint
 from megatron.bridge.training.events import stream as event_stream
-from megatron.bridge.training.events.stream import EventKind, Mechanism, read_events
+from megatron.bridge.training.events.reader import read_events
+from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.training.faults.injection import Fault, parse

@@ -9,7 +9,8 @@ of different processes compare). Lines the reader had to skip (truncated, not JS
 
 :func:`read_run` builds a :class:`Timeline` from an event directory; :func:`outcomes` matches each scheduled fault
 with the ``fault_injected`` event of its strike, the first ``fault_detected`` event of a mechanism meant for it, the
-restarts it caused (any layer) and the first step completed after the resume.
+restarts it caused (any layer) and the first step completed after the resume; :func:`cycles` splits each recovery
+(detection to first step) into its phases (:class:`~megatron.bridge.training.events.stream.CyclePhase`).
 """
 
 import signal
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.bridge.drill.schedule import MUTATIONS, RELOADING
-from megatron.bridge.training.events.stream import Event, EventKind, Mechanism, Problem, RestartLayer, read_events
+from megatron.bridge.training.events.reader import Problem, read_events
+from megatron.bridge.training.events.stream import CyclePhase, Event, EventKind, Mechanism, RestartLayer
 from megatron.bridge.training.faults.spec import Fault
 
 DETECTED_BY: dict[Mechanism, str] = {
@@ -84,6 +86,8 @@ class Restart:
     """Rank 0's checkpoint load in the new attempt: when it began and ended."""
     first_step: Optional[float] = None
     """Rank 0's first completed step in the new attempt."""
+    setup: dict[CyclePhase, tuple[float, float]] = field(default_factory=dict)
+    """Rank 0's set-up phases in the new attempt (its ``phase`` events): (start, end) of each."""
     resumed_from: Optional[int] = None
     tier: Optional[str] = None
     """The checkpoint the new attempt resumed from (its iteration and tier)."""
@@ -211,9 +215,113 @@ def _restarts(events: list[Event], attempts: list[Event]) -> list[Restart]:
             r.load_began = load.time - (load.seconds or 0.0)
         step = _of_attempt(events, EventKind.STEP_COMPLETED, new, r.begun)
         r.first_step = None if step is None else step.time
+        r.setup = _setup_phases(events, new, r.begun)
         detections = [e for e in events if _is(e, EventKind.FAULT_DETECTED) and e.time <= r.begun]
         r.cause = detections[-1] if detections else None
     return sorted(found.values(), key=lambda r: r.begun)
+
+
+def _setup_phases(events: list[Event], attempt: tuple, after: float) -> dict[CyclePhase, tuple[float, float]]:
+    """Rank 0's set-up phases in ``attempt`` (see :func:`_attempt`) from ``after`` on: the first ``phase`` of each."""
+    found: dict[CyclePhase, tuple[float, float]] = {}
+    for e in events:
+        if e.time >= after and _is(e, EventKind.PHASE, 0) and _attempt(e) == attempt and e.cycle_phase is not None:
+            if e.start is not None and e.end is not None:
+                found.setdefault(e.cycle_phase, (e.start, e.end))
+    return found
+
+
+SETUP_PHASES = (CyclePhase.PROCESS_START, CyclePhase.PROCESS_GROUP, CyclePhase.HEALTH_CHECKS, CyclePhase.MODEL_BUILD,
+                CyclePhase.CHECKPOINT_LOAD, CyclePhase.DATA_BUILD)  # fmt: skip
+"""The phases a training attempt writes itself (``phase`` events), in their order."""
+
+
+@dataclass
+class Cycle:
+    """One restart cycle: from a fault's detection to the first step completed after the restart that recovered it.
+
+    Its phases (:class:`CyclePhase`, ``docs/training/events.md``, "Restart cycles") are spans of wall-clock time:
+    the detection (the strike to it) comes before the cycle; the teardown runs from the detection to the end of the
+    failed attempt (``workers_stopped``; in-process: the new iteration's start), the rendezvous (in-job) to rank 0's
+    fork, the set-up phases are rank 0's own ``phase`` events in the new attempt, and the first step runs from the
+    end of set-up to rank 0's first ``step_completed``. Back to back, they add up to the cycle; what they leave is
+    :attr:`unaccounted_s`.
+    """
+
+    restart: Restart
+    """The restart that recovered the fault: the cycle's layer, its new attempt."""
+    detected: float
+    """When the fault was detected: the cycle's start."""
+    cause: str
+    """The fault (its label), or ``unexplained: <mechanism>`` for a restart no scheduled fault explains."""
+    struck: Optional[float] = None
+    """When the fault struck (``fault_injected``), if known."""
+    kind: Optional[str] = None
+    """The fault's kind (``kill``, ``stall``...; ``None``: unexplained)."""
+
+    @property
+    def layer(self) -> RestartLayer:
+        """The layer of the restart that recovered the fault."""
+        return self.restart.layer
+
+    @property
+    def seconds(self) -> Optional[float]:
+        """The cycle: seconds from the detection to the first completed step."""
+        return None if self.restart.first_step is None else self.restart.first_step - self.detected
+
+    def spans(self) -> dict[CyclePhase, Optional[tuple[float, float]]]:
+        """(start, end) of every phase, in order (``None``: not measured, or not of this layer)."""
+        r, setup = self.restart, self.restart.setup
+        measured = [setup[p] for p in SETUP_PHASES if p in setup]
+        in_job = r.layer != RestartLayer.IN_PROCESS
+        stopped = r.stopped if in_job else (measured[0][0] if measured else r.ended)
+        forked = setup[CyclePhase.PROCESS_START][0] if CyclePhase.PROCESS_START in setup else None
+        set_up = measured[-1][1] if measured else None
+        return {
+            CyclePhase.DETECTION: None if self.struck is None else (self.struck, self.detected),
+            CyclePhase.TEARDOWN: None if stopped is None else (self.detected, stopped),
+            CyclePhase.RENDEZVOUS: (r.stopped, forked) if in_job and None not in (r.stopped, forked) else None,
+            **{p: setup.get(p) for p in SETUP_PHASES},
+            CyclePhase.FIRST_STEP: None if None in (set_up, r.first_step) else (set_up, r.first_step),
+        }  # fmt: skip
+
+    def phases(self) -> dict[str, Optional[float]]:
+        """Seconds of every phase, by :class:`CyclePhase` value, in order (``None``: not measured)."""
+        return {p.value: None if span is None else span[1] - span[0] for p, span in self.spans().items()}
+
+    @property
+    def accounted_s(self) -> float:
+        """Seconds of the cycle's measured phases (the detection, before the cycle, left out)."""
+        phases = self.phases()
+        return sum(s for name, s in phases.items() if s is not None and name != CyclePhase.DETECTION)
+
+    @property
+    def unaccounted_s(self) -> Optional[float]:
+        """Seconds of the cycle no phase covers (a gap between them, or a phase not measured)."""
+        return None if self.seconds is None else self.seconds - self.accounted_s
+
+
+def cycles(timeline: Timeline, found: "list[Outcome] | tuple" = ()) -> list[Cycle]:
+    """Every restart cycle of the run, in the order of their detections.
+
+    One per fault of ``found`` recovered by a restart, then one per restart no fault of ``found`` claimed (its
+    cause: the last ``fault_detected`` before it began). A fault that caused several restarts (an in-process
+    restart cut short by the launcher's) makes one cycle, up to the first step after the last of them that trained.
+    """
+    result: list[Cycle] = []
+    claimed: set[int] = set()
+    for o in found:
+        claimed.update(id(r) for r in o.restarts)
+        trained = [r for r in o.restarts if r.first_step is not None]
+        if o.detected is not None and trained:
+            result.append(Cycle(trained[-1], o.detected, o.fault.label, o.struck, o.fault.kind))
+    for r in timeline.restarts:
+        if id(r) in claimed or r.first_step is None or r.cause is None:
+            continue
+        struck = [e.time for e in timeline.events if _is(e, EventKind.FAULT_INJECTED) and e.time <= r.cause.time]
+        label = f"unexplained: {r.cause.mechanism.value if r.cause.mechanism else r.cause.kind.value}"
+        result.append(Cycle(r, r.cause.time, label, struck[-1] if struck else None))
+    return sorted(result, key=lambda c: c.detected)
 
 
 @dataclass

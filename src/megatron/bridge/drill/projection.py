@@ -3,8 +3,10 @@
 The model is :mod:`megatron.bridge.drill.projection`; this module reads the inputs (built-in defaults, then a drill
 report or goodput summary given with ``--from``, then one flag per :class:`MeasuredCosts` field, each overriding the
 one before), prints one row per job size, the recommended checkpoint overrides, and every input with where it came
-from. Bad input (a missing or garbled file, a negative cost, a share outside [0, 1], a step time or MTBF or GPU count
-of 0 or less) exits 2 with one message naming the flag or file and the fix, and no traceback.
+from. A drill report's restart cycles give each layer's restart cost phase by phase; ``--phase LAYER.PHASE=SECONDS``
+replaces one phase's cost (``injob.rendezvous=40``) and the layer's restart cost follows. Bad input (a missing or
+garbled file, a negative cost, a share outside [0, 1], a step time or MTBF or GPU count of 0 or less) exits 2
+with one message naming the flag or file and the fix, and no traceback.
 """
 
 import argparse
@@ -19,12 +21,14 @@ from megatron.bridge.drill.projection_model import (
     DEFAULT_GPUS,
     DEFAULT_SOURCES,
     LLAMA3_405B,
+    RESTART_PHASES,
     RULES,
     MeasuredCosts,
     Projection,
     flag,
     project,
     read_costs,
+    read_phases,
     validate,
 )
 from megatron.bridge.utils.fields import fail
@@ -95,6 +99,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "--baseline-interval-steps", type=int, metavar="STEPS", help="fixed baseline interval (default: its optimum)"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument(
+        "--phase",
+        action="append",
+        default=[],
+        metavar="LAYER.PHASE=S",
+        help=f"a restart phase's cost in seconds (LAYER: inproc or injob; PHASE: {', '.join(RESTART_PHASES)}); "
+        "the layer's restart cost is then the sum of its phases (repeatable)",
+    )
     for f in dataclasses.fields(MeasuredCosts):
         p.add_argument(
             flag(f.name), type=float, dest=f.name, metavar="X", help=f"default {f.default}: {DEFAULT_SOURCES[f.name]}"
@@ -102,13 +114,55 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> tuple[MeasuredCosts, dict[str, str], float, list[Projection]]:
-    """Costs (defaults, then the file, then flags), their sources, the per-GPU MTBF (s) and one projection per size.
+def phase_override(item: str) -> tuple[str, str, float]:
+    """``--phase``: ``LAYER.PHASE=SECONDS`` as (layer, phase, seconds).
+
+    Raises:
+        ValueError: naming the flag and the fix.
+    """
+    name, _, text = item.partition("=")
+    layer, _, phase = name.partition(".")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if layer not in ("inproc", "injob") or phase not in RESTART_PHASES or not 0 <= seconds < float("inf"):
+        fail("--phase", f"{item!r} is not LAYER.PHASE=SECONDS", f"e.g. --phase injob.rendezvous=40; PHASE is one of "
+             f"{', '.join(RESTART_PHASES)} (the detection has --inproc-detect-s and --injob-detect-s)")  # fmt: skip
+    return layer, phase, seconds
+
+
+def restart_phases(args: argparse.Namespace, values: dict, sources: dict) -> dict[str, dict[str, float]]:
+    """Each layer's restart phases (the file's means, then ``--phase``); a layer's restart cost becomes their sum.
+
+    Raises:
+        ValueError: a bad ``--phase`` or an unreadable file, naming it and the fix.
+    """
+    phases = read_phases(args.source) if args.source is not None else {}
+    given: dict[str, list[str]] = {}
+    for item in args.phase:
+        layer, phase, seconds = phase_override(item)
+        phases.setdefault(layer, dict.fromkeys(RESTART_PHASES, 0.0))[phase] = seconds
+        given.setdefault(layer, []).append(phase)
+    for layer, names in given.items():
+        values[f"{layer}_restart_s"] = sum(phases[layer].values())
+        measured = f"the rest measured in {args.source}" if args.source is not None else "the rest 0"
+        sources[f"{layer}_restart_s"] = f"sum of its phases: {', '.join(names)} from --phase, {measured}"
+    return phases
+
+
+def run(
+    args: argparse.Namespace,
+) -> tuple[MeasuredCosts, dict[str, str], float, list[Projection], dict[str, dict[str, float]]]:
+    """Costs, their sources, the per-GPU MTBF (s), one projection per size, and each layer's restart phases.
+
+    Costs: the defaults, then the file, then the phases (``--phase``), then the flags.
 
     Raises:
         ValueError: bad input, naming the flag or file and the fix.
     """
     values, sources = read_costs(args.source) if args.source is not None else ({}, {})
+    phases = restart_phases(args, values, sources)
     for f in dataclasses.fields(MeasuredCosts):
         if getattr(args, f.name) is not None:
             values[f.name], sources[f.name] = getattr(args, f.name), f"flag {flag(f.name)}"
@@ -119,14 +173,24 @@ def run(args: argparse.Namespace) -> tuple[MeasuredCosts, dict[str, str], float,
         fail("--mtbf-gpu-hours", f"{args.mtbf_gpu_hours} h: an MTBF must be positive", "give hours > 0")
     mtbf = LLAMA3_405B.mtbf_gpu_s if args.mtbf_gpu_hours is None else args.mtbf_gpu_hours * 3600.0
     found = [project(costs, n, mtbf, args.rule, args.baseline_interval_steps) for n in gpu_counts(args.gpus)]
-    return costs, sources, mtbf, found
+    return costs, sources, mtbf, found, phases
+
+
+def phase_table(phases: dict[str, dict[str, float]]) -> str:
+    """The markdown table of each layer's restart phases and their sum, the restart cost."""
+    rows = [f"| layer | {' | '.join(name.replace('_', ' ') for name in RESTART_PHASES)} | restart cost |",
+            "|---" * (len(RESTART_PHASES) + 2) + "|"]  # fmt: skip
+    for layer, seconds in sorted(phases.items()):
+        cells = " | ".join(f"{seconds[name]:.2f} s" for name in RESTART_PHASES)
+        rows.append(f"| {layer} | {cells} | {sum(seconds.values()):.2f} s |")
+    return "\n".join(rows)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the projection; 0, or 2 for bad input (one message on stderr, no traceback)."""
     args = parse_args(argv)
     try:
-        costs, sources, mtbf, found = run(args)
+        costs, sources, mtbf, found, phases = run(args)
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
@@ -134,7 +198,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         inputs = {**dataclasses.asdict(costs), "requeue_fraction": costs.requeue_fraction, "p": costs.local_share}
         out = {"failure_rate": rate, "mtbf_gpu_hours": mtbf / 3600, "rule": args.rule, "inputs": inputs,
-               "sources": sources, "projections": [dataclasses.asdict(p) for p in found]}  # fmt: skip
+               "sources": sources, "restart_phases": phases,
+               "projections": [dataclasses.asdict(p) for p in found]}  # fmt: skip
         print(json.dumps(out, indent=2))
         return 0
     print(f"Failure rate: {rate}; per-GPU MTBF {mtbf / 3600:,.0f} h; job MTBF = per-GPU MTBF / GPUs.\n")
@@ -146,6 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         value = getattr(costs, f.name)
         print(f"  {f.name} = {'—' if value is None else f'{value:g}'}  ({sources[f.name]})")
     print(f"  requeue share = {costs.requeue_fraction:g}, local-tier share p = {costs.local_share:g}")
+    if phases:
+        print("\nRestart phases (seconds; the report's mean per cycle, or --phase):\n\n" + phase_table(phases))
     if args.source is not None:
         lacked = [f.name for f in dataclasses.fields(costs) if sources[f.name].startswith("default")]
         print(f"\n{args.source} lacks {', '.join(lacked) or 'nothing'}: the defaults above were used for them.")

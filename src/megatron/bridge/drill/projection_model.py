@@ -32,6 +32,12 @@ The model (seconds of wall time; an interval is the compute time between two sav
   detection, default ``D_rq``), ``tau_b`` by the same rule with ``M`` (or a given interval),
   ``W_b = C_g/tau_b + (tau_b/2 + R_b) / M``.
 
+Restart phases: a drill report splits each restart cycle (detection to first step) into phases (teardown,
+rendezvous, process start, process group, health checks, model build, checkpoint load, data build, first step;
+``docs/training/events.md``). With ``--from`` a report that has them, a layer's ``S`` is the sum of its mean phases
+(plus the mean time no phase covered): the mean cycle. ``--phase injob.rendezvous=40`` replaces one phase's
+measured cost with another (say, a rendezvous of thousands of nodes), and ``S`` follows.
+
 Limits: failures are independent of each other and of the checkpoints, none strikes during a restart or a save, and
 an async save counts as loadable at once (its background write is not modelled); the costs do not grow with the job
 size (a save of this CPU model is no estimate of a 405B model's: pass your own run's figures). Documented in
@@ -46,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron.bridge.training.events.stream import CyclePhase
 from megatron.bridge.utils.fields import fail
 
 DAY_S = 86400.0
@@ -54,6 +61,10 @@ RULES = ("daly", "young")
 LAYER_KINDS = {"inproc": ("stall",), "injob": ("kill", "hang")}
 """Drill faults each layer recovers: ``stall`` (a rank stuck inside a step, its threads alive) in-process; ``kill``
 and ``hang`` (a process that died or answers nothing, its node alive) by the in-job restart (ft_launcher)."""
+CYCLE_LAYERS = {"in_process": "inproc", "in_job": "injob"}
+"""A drill report's restart layers (``cycles[].layer``), by the prefix of their cost fields."""
+RESTART_PHASES = tuple(p.value for p in CyclePhase if p != CyclePhase.DETECTION) + ("unaccounted",)
+"""What a layer's restart cost ``S`` adds up: each phase after the detection, and what no phase covered."""
 
 
 @dataclass(frozen=True)
@@ -210,13 +221,12 @@ def _from_summary(g: dict[str, Any], what: str) -> tuple[dict[str, float], dict[
     return values, sources
 
 
-def read_costs(path: Path) -> tuple[dict[str, float], dict[str, str]]:
-    """What a drill report (``drill_report.json``) or a goodput summary (``summary.json``) measured, and from where.
+_FIX = "run the drill (python -m megatron.bridge.drill) or a training job, or pass the costs as flags"
 
-    Raises:
-        ValueError: the file is missing, unreadable, not JSON, or neither kind of file (naming the path and the fix).
-    """
-    fix = "run the drill (python -m megatron.bridge.drill) or a training job, or pass the costs as flags"
+
+def _load(path: Path) -> Any:
+    """The JSON of ``path``; ``ValueError`` naming the path and the fix."""
+    fix = _FIX
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -225,6 +235,58 @@ def read_costs(path: Path) -> tuple[dict[str, float], dict[str, str]]:
         fail(str(path), f"cannot be read ({err})", fix)
     except ValueError as err:
         fail(str(path), f"is not valid JSON ({err})", f"{fix}; a truncated file comes from an interrupted write")
+    return data
+
+
+def _cycles(data: Any) -> dict[str, list[dict[str, Any]]]:
+    """A drill report's measured restart cycles by layer prefix, of the faults that layer recovers (LAYER_KINDS).
+
+    A preemption or a straggler's stop is planned, not one of the failures the rate counts: left out.
+    """
+    found: dict[str, list[dict[str, Any]]] = {}
+    for cycle in (data.get("cycles") or []) if isinstance(data, dict) else []:
+        layer = CYCLE_LAYERS.get(cycle.get("layer"))
+        if cycle.get("cycle_s") is not None and layer is not None and cycle.get("kind") in LAYER_KINDS[layer]:
+            found.setdefault(layer, []).append(cycle)
+    return found
+
+
+def phase_costs(data: Any) -> dict[str, dict[str, float]]:
+    """Mean seconds of each restart phase per layer (``inproc``, ``injob``) over a drill report's ``cycles``.
+
+    A phase a cycle did not measure counts 0 there: its time is in that cycle's ``unaccounted``, so the phases of a
+    layer add up to its mean cycle. A report without cycles (older, or no restart) gives ``{}``.
+    """
+    means = {}
+    for layer, measured in _cycles(data).items():
+        seconds = [{**c["phases_s"], "unaccounted": c["unaccounted_s"]} for c in measured]
+        means[layer] = {name: _mean([float(s.get(name) or 0.0) for s in seconds]) for name in RESTART_PHASES}
+    return means
+
+
+def read_phases(path: Path) -> dict[str, dict[str, float]]:
+    """:func:`phase_costs` of the drill report at ``path`` (``{}`` for a goodput summary).
+
+    Raises:
+        ValueError: the file is missing or unreadable, or its cycles lack a field (naming the path and the fix).
+    """
+    try:
+        return phase_costs(_load(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        fail(str(path), f"has cycles this reader cannot use ({err!r})", _FIX)
+
+
+def read_costs(path: Path) -> tuple[dict[str, float], dict[str, str]]:
+    """What a drill report (``drill_report.json``) or a goodput summary (``summary.json``) measured, and from where.
+
+    A drill report with restart cycles gives each layer's restart cost as the sum of its mean phases
+    (:func:`phase_costs`), else as the mean recovery time of its faults.
+
+    Raises:
+        ValueError: the file is missing, unreadable, not JSON, or neither kind of file (naming the path and the fix).
+    """
+    fix = _FIX
+    data = _load(path)
     try:
         if isinstance(data, dict) and "faults" in data:
             values, sources = {}, {}
@@ -241,6 +303,10 @@ def read_costs(path: Path) -> tuple[dict[str, float], dict[str, str]]:
                         values[name] = _mean(measured)
                         seen = "/".join(sorted({f["kind"] for f in faults if f[key] is not None}))
                         sources[name] = f"{path}: mean {what} of {len(measured)} {seen} fault(s)"
+            counts = {layer: len(measured) for layer, measured in _cycles(data).items()}
+            for layer, means in phase_costs(data).items():
+                values[f"{layer}_restart_s"] = sum(means.values())
+                sources[f"{layer}_restart_s"] = f"{path}: sum of the mean phases of {counts[layer]} restart cycle(s)"
             return values, sources
         if isinstance(data, dict) and "productive_s" in data:
             return _from_summary(data, str(path))

@@ -1,4 +1,4 @@
-"""The drill's results: the fault table, the restart phases, goodput, the verdict, as text, JSON and TensorBoard.
+"""The drill's results: the fault table, restart phases and cycles, goodput, the verdict, as text, JSON, TensorBoard.
 
 Everything comes from the typed outcomes and timeline ``events.py`` built from the job's event stream; lines of the
 event files that could not be read are listed, with file and line number, under the tables.
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron.bridge.drill.events import DETECTED_BY, Outcome, Restart, Timeline, recovered_by
-from megatron.bridge.training.events.stream import Mechanism, RestartLayer
+from megatron.bridge.drill.events import DETECTED_BY, Cycle, Outcome, Restart, Timeline, cycles, recovered_by
+from megatron.bridge.training.events.stream import CyclePhase, Mechanism, RestartLayer
 from megatron.bridge.training.events.stream import to_json as to_event_json
 from megatron.bridge.utils.provenance import Provenance
 
@@ -78,8 +78,10 @@ def _secs(value: Optional[float]) -> str:
 
 
 def fault_table(result: DrillResult) -> str:
-    """The fault table (one row per fault), then the restart phases and any skipped event lines."""
-    sections = [faults_only_table(result), "", "Restarts (seconds of each phase):", "", restart_table(result)]
+    """The fault table (one row per fault), the restart phases and cycles, start-ups, any skipped event lines."""
+    sections = [faults_only_table(result), "", "Restarts (seconds of each phase):", "", restart_table(result), "",
+                "Restart cycles (seconds of each phase; a cycle runs from the detection to the first step after the "
+                "restart, the detection before it):", "", cycle_table(result), *startup_lines(result)]  # fmt: skip
     problems = problem_lines(result)
     return "\n".join(sections + ([""] + problems if problems else []))
 
@@ -141,6 +143,64 @@ def restart_table(result: DrillResult) -> str:
     if not result.timeline.restarts:
         rows.append("| — | | | no restart | | | | | | |")
     return "\n".join(rows)
+
+
+def result_cycles(result: DrillResult) -> list[Cycle]:
+    """The run's restart cycles (``events.cycles``), each fault's by its outcome."""
+    return cycles(result.timeline, result.outcomes)
+
+
+def _title(name: str) -> str:
+    return name.replace("_", " ")
+
+
+def cycle_table(result: DrillResult) -> str:
+    """The markdown table of every restart cycle: the seconds of each phase, the cycle, what no phase covers."""
+    names = [p.value for p in CyclePhase]
+    rows = [
+        f"| cycle | cause | layer | {' | '.join(map(_title, names))} | total | unaccounted |",
+        "|---" * (len(names) + 5) + "|",
+    ]
+    for n, c in enumerate(result_cycles(result), start=1):
+        phases = c.phases()
+        cells = " | ".join(_secs(phases[name]) for name in names)
+        rows.append(f"| {n} | {c.cause} | {c.layer.value} | {cells} | {_secs(c.seconds)} | {_secs(c.unaccounted_s)} |")
+    if len(rows) == 2:
+        rows.append("| — | no restart cycle |" + " |" * (len(names) + 3))
+    return "\n".join(rows)
+
+
+def startup_lines(result: DrillResult) -> list[str]:
+    """Each attempt's start-up split by phase, as the goodput ledger kept it (none without a summary)."""
+    startups = (result.goodput or {}).get("startups") or []
+    if not startups:
+        return []
+    seen = {name for s in startups for name in s["phases_s"]}
+    order = [p.value for p in CyclePhase] + ["to_first_step"]  # a summary's keys are sorted by name
+    names = [name for name in order if name in seen] + sorted(seen - set(order))
+    rows = ["", "Start-up of each attempt by phase (the goodput ledger, rank 0):", "",
+            f"| attempt | start-up | {' | '.join(map(_title, names))} |", "|---" * (len(names) + 2) + "|"]  # fmt: skip
+    for s in startups:
+        cells = " | ".join(_secs(s["phases_s"].get(name)) for name in names)
+        rows.append(f"| {s['attempt']} | {_secs(s['startup_s'])} | {cells} |")
+    return rows
+
+
+def _cycle_json(c: Cycle, t0: float) -> dict[str, Any]:
+    spans = c.spans()
+    return {
+        "cause": c.cause,
+        "kind": c.kind,
+        "layer": c.layer.value,
+        "struck_s": None if c.struck is None else c.struck - t0,
+        "detected_s": c.detected - t0,
+        "cycle_s": c.seconds,
+        "unaccounted_s": c.unaccounted_s,
+        "resumed_from": c.restart.resumed_from,
+        "tier": c.restart.tier,
+        "phases_s": c.phases(),
+        "spans_s": {p.value: None if span is None else [span[0] - t0, span[1] - t0] for p, span in spans.items()},
+    }
 
 
 def problem_lines(result: DrillResult) -> list[str]:
@@ -278,6 +338,7 @@ def to_json(result: DrillResult) -> dict[str, Any]:
             }
             for r in result.timeline.restarts
         ],  # fmt: skip
+        "cycles": [_cycle_json(c, t0) for c in result_cycles(result)],
         "event_problems": [str(p) for p in result.timeline.problems],
         "faults": [
             {
@@ -303,7 +364,7 @@ def to_json(result: DrillResult) -> dict[str, Any]:
 
 
 def write_tensorboard(result: DrillResult, log_dir: Path) -> bool:
-    """Drill scalars under ``drill/…`` (per-fault latency and recovery, goodput); ``False`` if TensorBoard is absent."""
+    """Drill scalars under ``drill/…`` (per fault: latency, recovery, cycle phases; goodput); False: no TensorBoard."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -319,6 +380,11 @@ def write_tensorboard(result: DrillResult, log_dir: Path) -> bool:
                 writer.add_scalar(f"drill/recovery_time_s/{name}", o.recovery_s, o.fault.iteration)
             if o.steps_lost is not None:
                 writer.add_scalar(f"drill/steps_lost/{name}", o.steps_lost, o.fault.iteration)
+        for c in result_cycles(result):
+            name = c.cause.replace("@", "_at_").replace(":", "_").replace(" ", "")
+            for phase, seconds in c.phases().items():
+                if seconds is not None:
+                    writer.add_scalar(f"drill/cycle_phase_s/{name}/{phase}", seconds, c.restart.resumed_from or 0)
         if result.goodput is not None:
             writer.add_scalar("drill/goodput", result.goodput["goodput"], result.final_iteration or 0)
         writer.add_scalar("drill/wall_s", result.wall_s, result.final_iteration or 0)

@@ -156,7 +156,8 @@ class TrainingConfig:
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Empty the CUDA cache after each step (1) or also before the optimizer step (2)."""
     check_weight_hash_across_dp_replicas_interval: Optional[int] = None
-    """Every this many steps, check that data-parallel replicas hold identical weights."""
+    """Every this many steps, and before every save, check that data-parallel replicas hold identical weights; a
+    mismatch rolls back to the newest checkpoint (exit 31) or, on a rank named before, stops (exit 30)."""
     train_sync_interval: Optional[int] = None
     """Synchronize the CPU with the GPU every this many steps."""
     train_iters: Optional[int] = None

@@ -80,6 +80,23 @@ class ExitCode(enum.IntEnum):
     """The launcher could not start the workers: the rendezvous port is in use or the rendezvous endpoint cannot be
     reached. Nothing ran. Action: requeue (another port, or once the other job is gone)."""
 
+    NO_PROGRESS = 29
+    """The last ``ft.max_no_progress_restarts`` restarts of the job each failed without committing a newer checkpoint
+    or completing a step beyond those reached before (the same crash, hang or kill every time); the log line and the
+    ``fault_detected`` event (mechanism ``no_progress``) name the rank, the exception or signal and the iteration.
+    Action: stop; fix the cause, then relaunch (it resumes from the newest checkpoint)."""
+
+    WEIGHTS_DIVERGED = 30
+    """The weight-hash check (``train.check_weight_hash_across_dp_replicas_interval``) found data-parallel replicas
+    holding different weights, and a rank it named (on the same host) had been named before in this job: that rank's
+    hardware corrupts data silently. Nothing of the corrupt state was saved. Action: stop; requeue excluding the named
+    rank's node (the log and the ``fault_detected`` events name it)."""
+
+    WEIGHT_HASH_ROLLBACK = 31
+    """The weight-hash check found data-parallel replicas holding different weights (the log names the ranks), for
+    the first time on those ranks: nothing of the corrupt state was saved. Action: restart the job (in-job restart):
+    it loads the newest checkpoint, whose weights were checked when it was saved."""
+
 
 STOP_CODES = frozenset(
     {
@@ -89,6 +106,8 @@ STOP_CODES = frozenset(
         ExitCode.EXIT_INTERVAL,
         ExitCode.STORAGE_FULL,
         ExitCode.STORAGE_UNAVAILABLE,
+        ExitCode.NO_PROGRESS,
+        ExitCode.WEIGHTS_DIVERGED,
     }
 )
 """The codes whose action is *stop*: restarting the job cannot help."""

@@ -31,14 +31,18 @@ from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.goodput import GoodputCallback
 from megatron.bridge.training.events.job_info import JobInfo
 from megatron.bridge.training.events.metrics import MetricsWriter
+from megatron.bridge.training.events.phases import PhaseClock
 from megatron.bridge.training.events.recorder import EventRecorder
+from megatron.bridge.training.events.stream import CyclePhase
 from megatron.bridge.training.exit_codes import ExitCode, TrainingExit
 from megatron.bridge.training.fault_tolerance import FaultToleranceCallback
 from megatron.bridge.training.faults.component import FaultInjection
 from megatron.bridge.training.health.device import DeviceHealth
 from megatron.bridge.training.health.hang_attribution import HangWatchCallback, attempt_name
 from megatron.bridge.training.health.liveness import LivenessCallback
+from megatron.bridge.training.health.no_progress import NoProgressGuard
 from megatron.bridge.training.health.rerun import RerunController, check_losses
+from megatron.bridge.training.health.weight_hash import WeightHashCheck
 from megatron.bridge.training.initialize import (
     abort_distributed,
     destroy_distributed,
@@ -122,8 +126,10 @@ FEATURES: tuple[type[Component], ...] = (
     GoodputCallback,  # events/goodput.py: productive and lost time, across restarts (carried by checkpoints)
     EventRecorder,  # events/recorder.py: the attempt's, steps', checkpoints' and exit events
     FaultToleranceCallback,  # fault_tolerance.py: the rank monitor's sections and timeouts; the exit it is told
+    NoProgressGuard,  # health/no_progress.py: a restart that would repeat the same failure again stops (exit 29)
     HangWatchCallback,  # health/hang_attribution.py: stacks of a rank stuck in a section (reads ft's timeouts)
     FaultInjection,  # faults/component.py: the drills' faults (after ft: ``ft.simulate_fault`` joins them)
+    WeightHashCheck,  # health/weight_hash.py: replicas' weights compared (after the faults: a bitflip first)
     LivenessCallback,  # health/liveness.py: a dead or stuck peer named before a collective times out
     StragglerCallback,  # nvrx_straggler.py: slow ranks scored from step timings (outermost forward-step timer)
     GarbageCollectionCallback,  # utils/garbage_collection.py: set-up's objects frozen, manual collections
@@ -161,9 +167,10 @@ def _pretrain(
         features.build(FEATURES, run)
         run.device = initialize_distributed(cfg, store=restart.process_group_store() if restart is not None else None)
         run.rank = dist.get_rank()
-        setup_done = restart.ping if restart is not None else lambda: None  # the watchdog bounds each set-up phase
-        setup_done()
+        setup_done = run.phases.lap  # each set-up phase's `phase` event (and the watchdog's ping: it bounds each)
+        setup_done(CyclePhase.PROCESS_GROUP)
         features.setup(run)
+        setup_done(CyclePhase.HEALTH_CHECKS)
         manager = CallbackManager.chain(features.items, callbacks)  # checkpoint events too: the recorder, the user's
         run.checkpoints = CheckpointManager(
             cfg.checkpoint,
@@ -178,12 +185,12 @@ def _pretrain(
         init_rerun_state(cfg)
         loop.rerun = RerunController(cfg.rerun_state_machine, cfg.checkpoint.save)
         model, optimizer, scheduler = _build_model(cfg, run.device)
-        setup_done()
+        setup_done(CyclePhase.MODEL_BUILD)
         _resume(run, manager, model, optimizer, scheduler)
-        setup_done()
+        setup_done(CyclePhase.CHECKPOINT_LOAD)
         loop.rerun.import_state(run.checkpoints.loaded_rank_extra)
         data_iterator, valid_iterator = _build_data(run, len(model))
-        setup_done()
+        setup_done(CyclePhase.DATA_BUILD)
         features.ready(run)
         model_parts, data = (model, optimizer, scheduler), (data_iterator, valid_iterator)
         loop.ctx = _train_context(run, features, manager, loop.rerun, signals, model_parts, data, forward_step_func)
@@ -269,6 +276,9 @@ def _begin_attempt(global_state: GlobalState, call_wrapper: Optional[Any], store
     # Goodput: an in-process restart iteration is an attempt of its own, from now; the first, from the process start.
     # One reading of the process start for both (each reading moves with /proc/uptime's 10 ms resolution).
     process_start = process_start_time()
+    phases = PhaseClock(started_at, ping=restart.ping if restart is not None else None)
+    if iteration == 0:  # a new process: from its fork to here (interpreter, imports, the in-process wrapper)
+        phases.record(CyclePhase.PROCESS_START, process_start, started_at)
     return Run(
         cfg=cfg,
         global_state=global_state,
@@ -280,6 +290,7 @@ def _begin_attempt(global_state: GlobalState, call_wrapper: Optional[Any], store
         process_start=process_start,
         attempt_start=started_at if iteration > 0 else process_start,
         restart=restart,
+        phases=phases,
     )
 
 

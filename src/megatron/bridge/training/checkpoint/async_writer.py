@@ -4,9 +4,16 @@ megatron-core's writer (a process forked per save, or its persistent worker) for
 coordinating through multiprocessing queues. Here the writer (on CPU, the persistent one of ``snapshot_writer.py``)
 writes its buckets itself, one after the other, then hashes this rank's shard files for the manifest. A writer
 that runs long reports it, and prints its stack, every :data:`REPORT_SECONDS`.
+
+The writer of an async save retries a write that failed on an unavailable file system (``save_retry.py``): it
+removes the files the failed attempt wrote, waits the backoff and writes again from the snapshot it holds, while
+training goes on. Its failed attempts go back with its write results (:class:`WriteOutcome`, or the final error's
+``failed_attempts``); :class:`FileResultsQueue` hands them to the training process (:func:`take_failed_attempts`).
 """
 
 import atexit
+import contextlib
+import dataclasses
 import faulthandler
 import functools
 import logging
@@ -20,9 +27,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
-from megatron.bridge.training.checkpoint import manifest, storage
+from megatron.bridge.training.checkpoint import manifest, save_retry, storage
 from megatron.bridge.utils import fs, upstream
 
 logger = logging.getLogger(__name__)
@@ -34,6 +41,54 @@ and later write through): both are given the same queue."""
 
 REPORT_SECONDS = 120.0
 """A background writer still running after this many seconds (and every as many after) logs it with its stack."""
+ATTEMPTS_ATTR = "failed_attempts"
+"""The attribute of a write's final error that holds its failed attempts (a tuple of ``save_retry.FailedAttempt``)."""
+
+
+@dataclass(frozen=True)
+class InjectedIoError:
+    """An ``io-error`` drill (``faults/injection.py``), as the writer applies it: its first ``attempts`` writes fail."""
+
+    phase: str
+    """``"write"`` (the rank's first shard file is cut to half its size) or ``"fsync"`` (it is written whole)."""
+    error: OSError
+    """What the failing write reports."""
+    attempts: Optional[int] = 1
+    """How many attempts fail, from the first; ``None``: every one (``:always``)."""
+
+    def strikes(self, attempt: int) -> bool:
+        """Whether attempt ``attempt`` (1-based) fails."""
+        return self.attempts is None or attempt <= self.attempts
+
+
+class WriteOutcome(dict):
+    """A rank's write results (``{bucket index: write results}``, as megatron-core reads them) after failed attempts.
+
+    ``attempts``: the attempts that failed before these results (``save_retry.FailedAttempt``); megatron-core sees a
+    plain dict, :class:`FileResultsQueue` takes the attempts off for the finalize (:func:`take_failed_attempts`).
+    """
+
+    def __init__(self, results: dict, attempts: tuple) -> None:
+        super().__init__(results)
+        self.attempts = attempts
+
+
+def failed_attempts(item: Any) -> tuple:
+    """The failed attempts a write's results (or its final error) carry; none for a write that never retried."""
+    if isinstance(item, WriteOutcome):
+        return item.attempts
+    return tuple(getattr(item, ATTEMPTS_ATTR, ())) if isinstance(item, BaseException) else ()
+
+
+_received: list = []
+"""The failed attempts of the writes whose results this process took from a :class:`FileResultsQueue`."""
+
+
+def take_failed_attempts() -> list:
+    """The failed attempts of this rank's writes whose results were read since the last call (then forgotten)."""
+    found = list(_received)
+    _received.clear()
+    return found
 
 
 @dataclass(frozen=True)
@@ -76,6 +131,7 @@ class FileResultsQueue:
         with open(path, "rb") as f:
             item = pickle.load(f)
         os.remove(path)
+        _received.extend(failed_attempts(item))
         return item
 
     def empty(self) -> bool:
@@ -113,6 +169,7 @@ def reset_results_queues() -> None:
     A queue served by a ``multiprocessing`` manager (megatron-core's own, when not replaced) has the manager shut down.
     """
     stopped: set[int] = set()
+    _received.clear()
     for key in _RESULTS_QUEUES:
         if upstream.owner(key) is None:
             continue
@@ -140,16 +197,35 @@ def _remove_results_of_dead_processes(parent: str) -> None:
             pass  # alive, owned by someone else
 
 
-def writer(write_fn: Callable[..., None], ckpt_dir: str, rank: int, iteration: int) -> Callable[..., None]:
-    """The function the writer process runs in place of megatron-core's ``write_fn`` (same arguments)."""
-    return functools.partial(_write_and_hash, write_fn, ckpt_dir, rank, iteration)
+def writer(
+    write_fn: Callable[..., None],
+    ckpt_dir: str,
+    rank: int,
+    iteration: int,
+    fail: Optional[InjectedIoError] = None,
+    retry: Optional[save_retry.RetryPolicy] = None,
+) -> Callable[..., None]:
+    """The function the writer runs in place of megatron-core's ``write_fn`` (same arguments).
+
+    Args:
+        write_fn: megatron-core's write function of the save.
+        ckpt_dir: the save's temporary directory.
+        rank: this rank.
+        iteration: the iteration saved.
+        fail: an injected ``io-error``: the rank's first shard file fails as it says, in the attempts it says,
+            reported as megatron-core reports a failed write.
+        retry: an async save's retries (``checkpoint.save_retries``), made here; ``None``: the caller retries.
+    """
+    return functools.partial(_write_and_hash, write_fn, ckpt_dir, rank, iteration, fail, retry)
 
 
-def _write_and_hash(write_fn: Any, ckpt_dir: str, rank: int, iteration: int, *args: Any, **kwargs: Any) -> None:
+def _write_and_hash(
+    write_fn: Any, ckpt_dir: str, rank: int, iteration: int, fail: Any, retry: Any, *args: Any, **kwargs: Any
+) -> None:
     done = threading.Event()
     threading.Thread(target=_report_while_running, args=(done, rank, iteration), daemon=True).start()
     try:
-        buckets_writer = _in_process_bucket_writer(write_fn)
+        buckets_writer = _in_process_bucket_writer(write_fn, fail, retry)
         if buckets_writer is not None:
             buckets_writer(*args, **kwargs)
         else:  # an upstream writer of another shape: let it work its own way
@@ -165,7 +241,7 @@ def _write_and_hash(write_fn: Any, ckpt_dir: str, rank: int, iteration: int, *ar
         done.set()
 
 
-def _in_process_bucket_writer(write_fn: Any) -> Any:
+def _in_process_bucket_writer(write_fn: Any, fail: Any = None, retry: Any = None) -> Any:
     """:func:`_write_buckets_here` bound like ``write_fn`` if that is megatron-core's multi-process bucket writer."""
     if (
         isinstance(write_fn, functools.partial)
@@ -174,42 +250,122 @@ def _in_process_bucket_writer(write_fn: Any) -> Any:
         and len(write_fn.args) == 2
         and not write_fn.keywords
     ):
-        return functools.partial(_write_buckets_here, *write_fn.args)
+        return functools.partial(_write_buckets_here, *write_fn.args, fail=fail, retry=retry)
+    if fail is not None or (retry is not None and not _Warned.shape):
+        _Warned.shape = True
+        logger.warning("an upstream writer of another shape: no injected io-error, no retry of a failed write")
     return None
 
 
+class _Warned:
+    shape = False
+    """An upstream writer of another shape was reported."""
+
+
 def _write_buckets_here(
-    transform_list: list, use_msc: bool, rank: int, write_buckets: list, results_queue: Any
+    transform_list: list,
+    use_msc: bool,
+    rank: int,
+    write_buckets: list,
+    results_queue: Any,
+    fail: Optional[InjectedIoError] = None,
+    retry: Optional[save_retry.RetryPolicy] = None,
 ) -> None:
     """Write every bucket in this process, then put the results where megatron-core's finalize reads them.
 
     Same results as ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (``{bucket index: write results}``,
-    or the first exception), without forking a process per bucket.
+    or the first exception), without forking a process per bucket. ``fail``: see :func:`writer`; a ``"write"``
+    failure leaves the first bucket's file cut to half its size, as a write that broke off does. ``retry``: an
+    attempt that failed on an unavailable file system (``save_retry.writer_retries``) has its files removed and is
+    written again after the backoff; the failed attempts go with the results (:func:`failed_attempts`).
     """
     import torch
 
     write_bucket = upstream.get(f"{_FS_ASYNC}:FileSystemWriterAsync.write_preloaded_data")
-    outcome: Any = {}
-    local_results: queue.SimpleQueue = queue.SimpleQueue()
-    finished: queue.Queue = queue.Queue()
     extra = {"use_msc": True} if use_msc else {}
+    failed: list[save_retry.FailedAttempt] = []
     # torch.save's per-record CRC32 duplicates the manifest's SHA-256 of every file, which the writer computes next
     # and every load checks: skip it (torch.load does not read it).
     previous = upstream.get("torch.utils.serialization:config.save.compute_crc32")
     torch.serialization.set_crc32_options(False)
     try:
-        for index, bucket in enumerate(write_buckets):
-            finished.put(index)  # the bucket writer takes it back and marks it done
-            write_bucket(transform_list, index, bucket, local_results, finished, True, **extra)
-            _, result = local_results.get()
-            if isinstance(result, Exception):
-                logger.error("rank %d: writing checkpoint bucket %d failed: %s", rank, index, result)
-                outcome = result
+        number = 0
+        while True:
+            number += 1
+            began = time.monotonic()
+            strike = fail if fail is not None and fail.strikes(number) else None
+            outcome = _write_buckets_once(write_bucket, transform_list, write_buckets, rank, extra, strike)
+            fault = storage.classify(outcome) if isinstance(outcome, Exception) and retry is not None else None
+            if fault is None:
                 break
-            outcome[index] = result
+            again = save_retry.writer_retries(fault, number, retry)
+            wait = save_retry.wait_before(number, retry.backoff) if again else None
+            if again:
+                _remove_written(write_buckets)
+                logger.warning(
+                    "rank %d: attempt %d of the background write into %s failed (%s); its files were removed; retry "
+                    "%d of checkpoint.save_retries (%d) in %g s",
+                    rank,
+                    number,
+                    os.path.dirname(write_buckets[0][0]),
+                    fault.text,
+                    number,
+                    retry.retries,
+                    wait,
+                )
+                time.sleep(wait)
+            seen = dataclasses.replace(fault, rank=rank)
+            failed.append(save_retry.FailedAttempt(number, seen, wait, time.monotonic() - began))
+            if not again:
+                break
     finally:
         torch.serialization.set_crc32_options(previous)
-    results_queue.put(outcome)
+    results_queue.put(_with_attempts(outcome, tuple(failed)))
+
+
+def _write_buckets_once(
+    write_bucket: Any, transform_list: list, write_buckets: list, rank: int, extra: dict, fail: Any
+) -> Any:
+    """One attempt: every bucket written in turn; ``{bucket index: write results}``, or the first exception."""
+    outcome: dict = {}
+    local_results: queue.SimpleQueue = queue.SimpleQueue()
+    finished: queue.Queue = queue.Queue()
+    for index, bucket in enumerate(write_buckets):
+        finished.put(index)  # the bucket writer takes it back and marks it done
+        write_bucket(transform_list, index, bucket, local_results, finished, True, **extra)
+        _, result = local_results.get()
+        if fail is not None and not isinstance(result, Exception):
+            result = _injected_failure(bucket[0], fail)
+        if isinstance(result, Exception):
+            logger.error("rank %d: writing checkpoint bucket %d failed: %s", rank, index, result)
+            return result
+        outcome[index] = result
+    return outcome
+
+
+def _remove_written(write_buckets: list) -> None:
+    """Remove the files of ``write_buckets`` that exist (a failed attempt's, before the next one writes them)."""
+    for bucket in write_buckets:
+        with contextlib.suppress(OSError):  # gone, or the storage still fails: the next attempt truncates it
+            os.remove(bucket[0])
+
+
+def _with_attempts(outcome: Any, attempts: tuple) -> Any:
+    """``outcome`` carrying ``attempts`` (:func:`failed_attempts` reads them back after pickling)."""
+    if not attempts:
+        return outcome
+    if isinstance(outcome, BaseException):
+        setattr(outcome, ATTEMPTS_ATTR, attempts)  # pickled with the error's ``__dict__``
+        return outcome
+    return WriteOutcome(outcome, attempts)
+
+
+def _injected_failure(path: str, fail: InjectedIoError) -> OSError:
+    """Make the written file ``path`` look as ``fail`` leaves it; return the error to report."""
+    if fail.phase == "write":
+        with open(path, "r+b") as f:
+            f.truncate(f.seek(0, os.SEEK_END) // 2)
+    return fail.error
 
 
 def _report_while_running(done: threading.Event, rank: int, iteration: int) -> None:

@@ -12,6 +12,7 @@ stops the run, the healthy global save in flight is committed first.
 
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -19,11 +20,13 @@ from typing import Any, Optional
 import torch
 from megatron.core import dist_checkpointing
 
-from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, storage
+from megatron.bridge.training.checkpoint import async_writer, contents, layout, manifest, save_retry, storage
 from megatron.bridge.training.checkpoint.async_writer import AsyncSavesBusy
 from megatron.bridge.training.checkpoint.local_tier import LocalTier
-from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard
+from megatron.bridge.training.checkpoint.storage_guard import GLOBAL, LOCAL, StorageGuard, raised_by_every_rank
 from megatron.bridge.training.config import CheckpointConfig
+from megatron.bridge.training.events import stream as event_stream
+from megatron.bridge.training.events.stream import EventKind
 from megatron.bridge.training.exit_codes import TrainingExit
 from megatron.bridge.training.faults import injection as fault_injection
 from megatron.bridge.training.state import TrainState
@@ -35,8 +38,11 @@ from megatron.bridge.utils.orphans import die_with_this_process
 logger = logging.getLogger("megatron.bridge.training.checkpointing")  # the name the run's save lines always had
 
 
-def hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
-    """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0."""
+def hash_checkpoint(ckpt_dir: str, note: Any = None) -> tuple[dict[str, manifest.FileEntry], list[Any]]:
+    """Hash every file of ``ckpt_dir`` not hashed yet by a background writer, split over ranks; table on rank 0.
+
+    ``note``: anything of this rank's to gather in the same collective; every rank's, in rank order, comes second.
+    """
 
     def scan() -> tuple[dict[str, manifest.FileEntry], list[str]]:
         known = manifest.take_partial_manifests(ckpt_dir)
@@ -45,9 +51,11 @@ def hash_checkpoint(ckpt_dir: str) -> dict[str, manifest.FileEntry]:
     known, todo = on_rank0(scan, "listing the checkpoint's files")
     share = manifest.hash_share(ckpt_dir, todo, rank(), world_size())
     merged = dict(known)
-    for part in all_gather_object(share):
+    notes = []
+    for part, noted in all_gather_object((share, note)):
         merged.update(part)
-    return merged
+        notes.append(noted)
+    return merged, notes
 
 
 class SavePath:
@@ -73,6 +81,10 @@ class SavePath:
     last_blocking_seconds: float
     last_finalize_seconds: float
     last_saved_iteration: Optional[int]
+    on_save_retry: Optional[Callable[[float], None]] = None
+    """Called with the seconds a failed attempt and its backoff took from the loop (goodput's ``save_retry``)."""
+    _blocked_since: Optional[float] = None
+    """When the running blocking finalize of the global save began to wait for its background writes."""
 
     def _save_strategy(self) -> Any:
         """megatron-core's save strategy for this run, built on the first save and reused by the later ones."""
@@ -104,7 +116,9 @@ class SavePath:
         """Save a checkpoint of the current state into ``cfg.save`` (asynchronously with ``async_save``).
 
         ``rank_extra``: this rank's plain-valued extra state; :attr:`loaded_rank_extra` returns it after a load.
-        A checkpoint of the same iteration is replaced atomically.
+        A checkpoint of the same iteration is replaced atomically. A save that fails with a transient storage error
+        is tried again, up to ``checkpoint.save_retries`` times (``save_retry.py``): here when it is synchronous, in
+        its background writer when it is asynchronous.
         """
         root = self.cfg.save
         assert root is not None, "validate() guarantees checkpoint.save when saving"
@@ -112,49 +126,43 @@ class SavePath:
         if self._pending is not None:
             self.finalize(blocking=True)  # one save in flight at a time
         start = time.perf_counter()
-        self._saves += 1
-        attempt = f"{self._run_id}-{self._saves}"
-        tmp = layout.tmp_dir(root, iteration, attempt)
         progress = state.state_dict()  # train_state.pt holds the state of this step, not of the async commit's
-        sharded_sd = contents.sharded_state_dict(
-            model,
-            optimizer,
-            scheduler,
-            state,
-            rank_extra=rank_extra,
-            common_extra=self._extras(),
-            ckpt_cfg=self.cfg,
-            generator_states=self._generator_states(),
-        )
-        # Every rank creates tmp and checks the free space, then all agree: nothing is written when it is short.
-        if not self.storage.before_save(GLOBAL, iteration, storage.tensor_bytes(sharded_sd), tmp):
-            return self._keep_in_local_tier(model, optimizer, scheduler, state)
-        fault_injection.fill_storage(fault_injection.GLOBAL_SAVE, rank(), iteration, root)
-        try:
-            with die_with_this_process():  # a writer forked here must not outlive a rank killed mid-save
-                request = dist_checkpointing.save(
-                    sharded_sd,
-                    tmp,
-                    sharded_strategy=self._save_strategy(),
-                    # The sharding layout cannot change within a run: check it (a collective) on the first save only.
-                    validate_access_integrity=self._saves == 1,
-                    async_sharded_save=self._queue is not None,
-                    # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
-                    preprocess_common_before_consistancy_check=lambda common: {
-                        k: v for k, v in common.items() if k not in self._common_extra
-                    },
-                )
-            if self._queue is None:
-                self._commit(iteration, attempt, progress)
-        except StorageGuard.SAVE_ERRORS as err:
-            if not self.storage.save_failed(err, GLOBAL, iteration, tmp):  # full or unavailable: stops, or goes on
-                raise
-            return self._keep_in_local_tier(model, optimizer, scheduler, state)
+        number = 0
+        while True:
+            number += 1
+            since = time.perf_counter()
+            self._saves += 1
+            attempt = f"{self._run_id}-{self._saves}"
+            tmp = layout.tmp_dir(root, iteration, attempt)
+            sharded_sd = contents.sharded_state_dict(
+                model,
+                optimizer,
+                scheduler,
+                state,
+                rank_extra=rank_extra,
+                common_extra=self._extras(),
+                ckpt_cfg=self.cfg,
+                generator_states=self._generator_states(),
+            )
+            # Every rank creates tmp and checks the free space, then all agree: nothing is written when it is short.
+            if not self.storage.before_save(GLOBAL, iteration, storage.tensor_bytes(sharded_sd), tmp):
+                return self._keep_in_local_tier(model, optimizer, scheduler, state)
+            if number == 1:
+                fault_injection.fill_storage(fault_injection.GLOBAL_SAVE, rank(), iteration, root)
+            try:
+                request = self._write(sharded_sd, tmp, iteration)
+                if self._queue is None:
+                    self._commit(iteration, attempt, progress)
+                break
+            except StorageGuard.SAVE_ERRORS as err:
+                if self._queue is None and self._retried(err, iteration, tmp, number, since):
+                    continue
+                if not self._save_failed(err, iteration, tmp, number):  # full or unavailable: stops, or goes on
+                    raise
+                return self._keep_in_local_tier(model, optimizer, scheduler, state)
         if self._queue is None:
             what = "saved checkpoint"
         else:
-            if request.async_fn is not None:  # None when this rank has nothing to write
-                request = request._replace(async_fn=async_writer.writer(request.async_fn, tmp, rank(), iteration))
             request.add_finalize_fn(lambda: self._commit(iteration, attempt, progress))
             self._queue.schedule_async_request(request)
             self._pending, self._pending_tmp = iteration, tmp
@@ -168,6 +176,135 @@ class SavePath:
             self.last_blocking_seconds,
         )
 
+    def _write(self, sharded_sd: dict, tmp: str, iteration: int) -> Any:
+        """Write this rank's part of a global save into ``tmp`` (sync), or prepare its background write (async).
+
+        Both go through the writer of ``async_writer.py`` (a synchronous save runs it here, then megatron-core's
+        finalize, which agrees every rank's write results): a failed write raises on every rank alike. The writer of
+        an async save retries a write that failed on an unavailable file system itself (``checkpoint.save_retries``).
+        """
+        asynchronous = self._queue is not None
+        retry = save_retry.RetryPolicy(self.cfg.save_retries, self.cfg.save_retry_backoff) if asynchronous else None
+        fail = None
+        for phase in fault_injection.IO_PHASES[:2]:  # an io-error due in this save's write (fault drills)
+            if asynchronous:  # every attempt is the background writer's: it fails the first x<N>
+                error, attempts = fault_injection.io_errors_in_writer(phase, rank(), iteration, tmp) or (None, None)
+            else:  # this attempt only: SavePath.save retries
+                error, attempts = fault_injection.io_error(phase, rank(), iteration, tmp), 1
+            if fail is None and error is not None:
+                fail = async_writer.InjectedIoError(phase, error, attempts)
+        with die_with_this_process():  # a writer forked here must not outlive a rank killed mid-save
+            request = dist_checkpointing.save(
+                sharded_sd,
+                tmp,
+                sharded_strategy=self._save_strategy(),
+                # The sharding layout cannot change within a run: check it (a collective) on the first save only.
+                validate_access_integrity=self._saves == 1,
+                async_sharded_save=True,
+                # The extra entries differ between ranks by design: leave them out of the cross-rank comparison.
+                preprocess_common_before_consistancy_check=lambda common: {
+                    k: v for k, v in common.items() if k not in self._common_extra
+                },
+            )
+            if request.async_fn is not None:  # None when this rank has nothing to write
+                writer = async_writer.writer(request.async_fn, tmp, rank(), iteration, fail, retry)
+                request = request._replace(async_fn=writer)
+            if self._queue is None:
+                request.execute_sync()
+        return request
+
+    def _retried(self, err: BaseException, iteration: int, tmp: str, number: int, since: float) -> bool:
+        """Whether attempt ``number`` of a synchronous save that raised ``err`` is tried again (all ranks agree).
+
+        Only a failure every rank raised (``storage_guard``'s collective ones) of an unavailable file system is
+        retried, while ``checkpoint.save_retries`` allows. Then the attempt's temporary directory is removed, the
+        failure recorded (event, goodput's ``save_retry``) and every rank waits the backoff before the next attempt.
+        """
+        if number > self.cfg.save_retries or not raised_by_every_rank(err):
+            return False
+        fault = save_retry.retry_fault(all_gather_object(storage.classify(err)))
+        if fault is None:
+            return False
+        on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), "removing the failed save attempt")
+        wait = save_retry.wait_before(number, self.cfg.save_retry_backoff)
+        logger.warning(
+            "checkpoint.save=%s: attempt %d of the global checkpoint of iteration %d failed (%s, seen by rank %s); "
+            "its partial files were removed; retry %d of checkpoint.save_retries (%d) in %g s",
+            self.cfg.save,
+            number,
+            iteration,
+            fault.text,
+            fault.rank,
+            number,
+            self.cfg.save_retries,
+            wait,
+        )
+        self._attempt_failed(iteration, number, fault, wait)
+        self._strategy = None  # planned afresh: nothing cached from the failed attempt
+        time.sleep(wait)
+        if self.on_save_retry is not None:
+            self.on_save_retry(time.perf_counter() - since)
+        return True
+
+    def _save_failed(self, err: BaseException, iteration: int, tmp: str, number: int) -> bool:
+        """:meth:`StorageGuard.save_failed`; the error says how often the save was tried when it was retried."""
+        try:
+            handled = self.storage.save_failed(err, GLOBAL, iteration, tmp)
+        except TrainingExit as stop:
+            if self._queue is None:
+                fault = storage.StorageFault(stop.exit_code, 0, storage.failure_text(err), None)
+                self._attempt_failed(iteration, number, fault, None)
+            if number == 1:
+                raise
+            note = save_retry.exhausted_note(number, self.cfg.save_retries, self.cfg.save_retry_backoff)
+            raise TrainingExit(stop.exit_code, f"{stop.reason} {note}") from None
+        return handled
+
+    def _attempt_failed(self, iteration: int, number: int, fault: Any, wait: Optional[float]) -> None:
+        event_stream.emit(
+            EventKind.SAVE_ATTEMPT_FAILED,
+            tier=GLOBAL,
+            iteration=iteration,
+            save_attempt=number,
+            retrying=wait is not None,
+            seconds=wait,
+            exit_code=int(fault.code),
+            detail=fault.text,
+        )
+
+    def _writer_retried(self, iteration: int, views: list[Any], waited: float) -> None:
+        """Report the failed attempts of an async save's background writes (``views``: every rank's, agreed).
+
+        Each failed attempt is a ``save_attempt_failed`` event (per attempt number, the first rank's that saw it).
+        Goodput's ``save_retry`` counts what the retries cost the loop: training went on while the writers retried,
+        so only a blocking finalize lost time, by waiting for the writes (``waited`` seconds); of that wait, the part
+        the retries added to the slowest writer (its failed attempts and backoffs) counts, at most the wait itself.
+        """
+        merged = save_retry.merged_attempts(views)
+        if not merged:
+            return
+        for attempt in merged:
+            self._attempt_failed(iteration, attempt.number, attempt.fault, attempt.wait)
+        lost = min(waited, save_retry.retry_seconds(views))
+        logger.warning(
+            "checkpoint.save=%s: %d attempt(s) of the background write of the global checkpoint of iteration %d "
+            "failed (%s, first seen by rank %s); the writer retries (checkpoint.save_retries=%d); the loop waited "
+            "%.3f s for the retries",
+            self.cfg.save,
+            len(merged),
+            iteration,
+            merged[0].fault.text,
+            merged[0].fault.rank,
+            self.cfg.save_retries,
+            lost,
+        )
+        if lost > 0 and self.on_save_retry is not None:
+            self.on_save_retry(lost)
+
+    def _waited(self, now: float) -> float:
+        """Seconds the running finalize blocked on the global save's background writes until ``now`` (0: a poll)."""
+        return 0.0 if self._blocked_since is None else max(0.0, now - self._blocked_since)
+
     def _commit(self, iteration: int, attempt: str, progress: dict[str, Any]) -> None:
         """After every rank wrote its files: add the per-checkpoint files, hash, write the manifest, commit (all ranks).
 
@@ -179,10 +316,14 @@ class SavePath:
         layout.crash_point("during_write", rank(), iteration)
         on_rank0(lambda: layout.write_iteration_files(tmp, progress, self._run_config), "writing train_state.pt")
         barrier()
-        entries = hash_checkpoint(tmp)
+        entries, attempts = hash_checkpoint(tmp, async_writer.take_failed_attempts())
+        self._writer_retried(iteration, attempts, self._waited(start))
 
         def publish() -> None:
             manifest.write_manifest(tmp, iteration, entries)
+            refused = fault_injection.io_error(fault_injection.IO_PHASES[2], 0, iteration, tmp)
+            if refused is not None:  # an io-error drill: the rename into iter_N fails, nothing is published
+                raise refused
             layout.commit(root, iteration, attempt, rank=0)
             layout.apply_retention(
                 root, self.cfg.most_recent_k, protect={iteration}, retain_interval=self.cfg.save_retain_interval
@@ -303,13 +444,25 @@ class SavePath:
         if self._queue is None or self._pending is None:
             return
         iteration = self._pending
+        self._blocked_since = time.perf_counter() if blocking else None
         try:
             done = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
         except StorageGuard.SAVE_ERRORS as err:  # the background write failed: seen here, on the training thread
             self._pending = None
-            if not self.storage.save_failed(err, GLOBAL, iteration, self._pending_tmp):
+            waited = self._waited(time.perf_counter())
+            mine = async_writer.take_failed_attempts()
+            views = all_gather_object(mine) if raised_by_every_rank(err) else [mine]
+            # The attempts of a rank whose writer gave up (its last one was not retried): what the final error names.
+            number = max((a.number for attempts in views for a in attempts if a.wait is None), default=1)
+            try:
+                handled = self._save_failed(err, iteration, self._pending_tmp, number)
+            finally:  # reported once the failed save's files are gone: on a full disk, its events need that space
+                self._writer_retried(iteration, views, waited)
+            if not handled:
                 raise
             return
+        finally:
+            self._blocked_since = None
         if done:
             self._pending = None
             logger.info(

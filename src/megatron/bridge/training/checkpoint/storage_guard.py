@@ -57,7 +57,7 @@ _MECHANISM = {
 }
 
 
-def _collective(err: BaseException) -> bool:
+def raised_by_every_rank(err: BaseException) -> bool:
     """Whether every rank raised ``err`` at the same point, so that they can agree on its cause with a collective."""
     from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
 
@@ -251,7 +251,7 @@ class StorageGuard:
         fault = fault or (noted[0] if noted else None) or self._diagnose(tier, err)
         if fault is not None and fault.rank is None:
             fault = dataclasses.replace(fault, rank=me)
-        collective = _collective(err)
+        collective = raised_by_every_rank(err)
         if collective:
             agreed = [f for f in all_gather_object(fault) if f is not None]
             fault = min(agreed, key=lambda f: (not f.full, f.rank)) if agreed else None

@@ -82,6 +82,9 @@ class Run:
     """The goodput ledger the loop writes its re-run and commit time to (the goodput component's tracker)."""
     load_started: Optional[float] = None
     """``time.perf_counter()`` when the checkpoint load began."""
+    phases: Any = None
+    """The attempt's set-up clock (``events/phases.py``): its ``seconds`` of each set-up phase ended so far (the
+    goodput ledger reads them at :meth:`Component.ready`)."""
 
 
 class Component(Callback):

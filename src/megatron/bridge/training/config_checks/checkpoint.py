@@ -33,6 +33,15 @@ def _validate_global(c: Section) -> None:
         _fail("checkpoint.save_interval", "is set but checkpoint.save is not", "set checkpoint.save to a directory")
     if c.async_save and c.save is None:
         _fail("checkpoint.async_save", "is on but checkpoint.save is not set", "set checkpoint.save to a directory")
+    if isinstance(c.save_retries, bool) or not isinstance(c.save_retries, int) or c.save_retries < 0:
+        _fail(
+            "checkpoint.save_retries",
+            f"must be a whole number >= 0, got {c.save_retries!r}",
+            "use 0 (no retry) or more",
+        )
+    backoff = c.save_retry_backoff
+    if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not 0 <= backoff < float("inf"):
+        _fail("checkpoint.save_retry_backoff", f"must be seconds >= 0, got {backoff!r}", "use 0 or a positive number")
     if c.most_recent_k == 0 or c.most_recent_k < -1:
         _fail(
             "checkpoint.most_recent_k",

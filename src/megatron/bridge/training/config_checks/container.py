@@ -420,6 +420,13 @@ def _validate_train(cfg: Container, world_size: int) -> None:
             setattr(cfg.validation, name, getattr(t, name))
     if t.exit_interval is not None and t.exit_interval < 1:
         _fail("train.exit_interval", f"must be >= 1 or None, got {t.exit_interval}", "use a positive interval")
+    interval = t.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
+        _fail(
+            "train.check_weight_hash_across_dp_replicas_interval",
+            f"a hash interval that is not a positive integer is a config error, got {interval!r}",
+            "use a number of steps >= 1 (e.g. 100), or None to turn the check off",
+        )
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         _fail(
             "train.exit_duration_in_mins",

@@ -23,7 +23,6 @@ REFUSED: dict[str, str] = {
     "train.rampup_batch_size": "batch-size ramp-up is not implemented",
     "train.decrease_batch_size_if_needed": "the global batch size is never changed behind your back",
     "train.empty_unused_memory_level": "CUDA cache emptying is not implemented",
-    "train.check_weight_hash_across_dp_replicas_interval": "the weight-hash check is not implemented",
     "train.train_sync_interval": "CPU-GPU synchronization intervals are not implemented",
     "train.iterations_to_skip": "skipping iterations is not implemented",
     "train.num_epochs": (

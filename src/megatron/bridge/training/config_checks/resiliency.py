@@ -57,6 +57,13 @@ def _validate_fault_tolerance(ft: Section, world_size: int) -> None:
             f"must be >= 0, got {ft.simulated_fault_base_delay}",
             "use a delay in seconds",
         )
+    limit = ft.max_no_progress_restarts
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        _fail(
+            "ft.max_no_progress_restarts",
+            f"must be a whole number >= 0, got {limit!r}",
+            "use the attempts without progress to allow before the job stops (e.g. 3), or 0 to turn the guard off",
+        )
 
 
 def _validate_straggler(cfg: Container) -> None:

@@ -65,6 +65,17 @@ class CheckpointConfig:
     read-only, unwritable or failing file system during it): ``"stop"`` ends the run with exit code 26 (full) or 27
     (unavailable); ``"continue_local"`` logs a warning each time, saves that state to the local tier instead and
     trains on (needs ``non_persistent_ckpt_type="local"``). Local-tier failures always stop."""
+    save_retries: int = 3
+    """How many times a global save whose storage failed with a transient error (``EIO``, ``ESTALE``, a lost network
+    mount, ...: ``STORAGE_UNAVAILABLE``) is tried again before the run stops with exit code 27. Before each retry the
+    failed attempt's files are removed (a loader never sees them) and it waits ``save_retry_backoff`` seconds,
+    doubled at each retry (at most 60 s); the loop's lost time is goodput's ``save_retry``. A synchronous save is
+    retried by every rank together; an asynchronous one by each rank's background writer, while training goes on.
+    A full file system (``ENOSPC``/``EDQUOT``, exit code 26) is not retried: space does not come back by waiting.
+    0: no retry."""
+    save_retry_backoff: float = 1.0
+    """Seconds to wait before the first retry of a failed global save (``save_retries``); each further retry waits
+    twice as long as the one before, at most 60 s. 0: retry at once."""
     ckpt_format: Literal["torch_dist", "zarr", "fsdp_dtensor"] = "torch_dist"
     """On-disk format: megatron-core distributed checkpointing (``torch_dist``)."""
     fully_parallel_save: bool = True

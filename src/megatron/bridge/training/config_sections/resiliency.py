@@ -34,6 +34,12 @@ class FaultToleranceConfig:
     """Rank to fault; ``None`` picks one at random."""
     simulated_fault_base_delay: float = 0
     """Seconds after the rank starts training (its first iteration) before the simulated fault strikes."""
+    max_no_progress_restarts: int = 3
+    """Stop the job with exit code 29 (``NO_PROGRESS``, no restart, no requeue) when this many attempts in a row
+    (in-job restarts, Slurm requeues and in-process restart iterations of the same job id) each failed without
+    committing a newer checkpoint or completing a step beyond the furthest reached before: a crash that every restart
+    meets again. Checked at each restart's set-up from the event stream (``health.event_dir``); the log and a
+    ``fault_detected`` event (``no_progress``) name the repeated failure's rank, cause and iteration. 0: off."""
 
 
 @named_fields

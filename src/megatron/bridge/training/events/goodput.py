@@ -4,9 +4,12 @@ Productive time is the sum of the step times up to the iteration the model is at
 (the ``goodput`` entry of their common part), so steps a failed attempt computed after its last checkpoint drop out
 of it on resume. Wall time runs from the job's start (kept in the checkpoints of the same job, else
 ``$MBRIDGE_JOB_START_TIME``, else this process's start). The rest is lost, by cause: ``startup`` (attempt start to
-first step), ``checkpoint_save`` (the loop blocked on a save or an async commit), ``rollback`` (a failed attempt's
+first step), ``checkpoint_save`` (the loop blocked on a save or an async commit), ``save_retry`` (failed attempts
+of a global save and the waits before their retries, ``checkpoint.save_retries``), ``rollback`` (a failed attempt's
 time past the checkpoint resumed), ``restart`` (its last sign of life to the next attempt's start), ``rerun``
-(re-run passes and steps not applied) and ``other`` (the remainder: logging, collectives between steps...).
+(re-run passes and steps not applied) and ``other`` (the remainder: logging, collectives between steps...). Each
+attempt's start-up is also split by set-up phase (``startups``: process start, process group, health checks, model
+build, checkpoint load, data build, then ``to_first_step``; ``events/phases.py``), for the last attempts.
 
 Rank 0 rewrites ``<checkpoint.save>/goodput/progress.json`` every log interval, after each save, and when an attempt
 starts or stops cleanly: the next attempt splits its gap into rollback and restart with it. At the end of an attempt
@@ -30,13 +33,14 @@ logger = logging.getLogger(__name__)
 
 ENTRY = "goodput"
 """Key of the tracker's entry in the common part of a checkpoint."""
-CAUSES = ("startup", "checkpoint_save", "rollback", "restart", "rerun")
+CAUSES = ("startup", "checkpoint_save", "rollback", "restart", "rerun", "save_retry")
 """Named causes of lost time; ``other`` is what they leave of the wall time."""
 JOB_START_ENV = "MBRIDGE_JOB_START_TIME"
 DIRECTORY, PROGRESS, SUMMARY = "goodput", "progress.json", "summary.json"
 _VERSION = 1
 _EARLIER_JOBS_KEPT = 32  # a chain of jobs on one save directory keeps the totals of this many before it
-_KEPT_FROM_PROGRESS = ("startup", "restart", "checkpoint_save", "rerun")
+_STARTUPS_KEPT = 32  # the start-ups split by phase of this many attempts, the last ones
+_KEPT_FROM_PROGRESS = ("startup", "restart", "checkpoint_save", "rerun", "save_retry")
 """Causes a failed attempt's progress record keeps past the checkpoint; the rest of its time there is rollback."""
 _warned_missing = False
 
@@ -63,6 +67,7 @@ def _ledger(record: Any) -> Optional[dict[str, Any]]:
             "lost_s": {c: float(record["lost_s"].get(c, 0.0)) for c in CAUSES},
             "attempts": int(record["attempts"]),
             "earlier_jobs": dict(record.get("earlier_jobs") or {}),
+            "startups": [dict(s) for s in record.get("startups") or []][-_STARTUPS_KEPT:],
         }
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -119,6 +124,8 @@ class GoodputTracker:
         self.ledger: Optional[dict[str, Any]] = None
         """The job's ledger, from :meth:`resume` on; lost seconds up to the last closed interval."""
         self._first_step_at: Optional[float] = None
+        self.phases: dict[str, float] = {}
+        """Seconds of this attempt's set-up phases (``Run.phases``): its start-up record splits by them."""
         self._saving_since: Optional[float] = None
         self._step_rerun = 0.0
         # Read before any collective: rank 0 rewrites the file only after the checkpoint load, which every rank joins.
@@ -194,6 +201,7 @@ class GoodputTracker:
             "lost_s": lost,
             "attempts": max(base["attempts"], progress["attempts"] if progress is not None else 0) + 1,
             "earlier_jobs": earlier,
+            "startups": (progress if progress is not None else base)["startups"],
         }
         self._write(PROGRESS, self.snapshot())
 
@@ -201,13 +209,27 @@ class GoodputTracker:
         """A step begins; the first one ends this attempt's start-up."""
         if self._first_step_at is None and self.ledger is not None:
             self._first_step_at = self._clock()
-            self.ledger["lost_s"]["startup"] += self._first_step_at - self.attempt_start
+            startup = self._first_step_at - self.attempt_start
+            self.ledger["lost_s"]["startup"] += startup
+            phases = {**self.phases, "to_first_step": max(0.0, startup - sum(self.phases.values()))}
+            record = {"attempt": self.attempt, "startup_s": startup, "phases_s": phases}
+            self.ledger["startups"] = [*self.ledger["startups"], record][-_STARTUPS_KEPT:]
 
     def add_rerun(self, seconds: float) -> None:
         """Seconds of the current step spent re-running it (passes after the first)."""
         self._step_rerun += seconds
         if self.ledger is not None:
             self.ledger["lost_s"]["rerun"] += seconds
+
+    def add_save_retry(self, seconds: float) -> None:
+        """Count seconds a failed save attempt and its backoff took as ``save_retry`` (not ``checkpoint_save``).
+
+        Called while the loop is blocked on the save: the open save interval starts that much later.
+        """
+        if self.ledger is not None:
+            self.ledger["lost_s"]["save_retry"] += seconds
+        if self._saving_since is not None:
+            self._saving_since += seconds
 
     def step_end(self, seconds: float, kept: bool) -> None:
         """A step took ``seconds``; ``kept``: its update was applied (else the step counts as ``rerun``)."""
@@ -281,7 +303,7 @@ class GoodputTracker:
         if iteration is not None:
             self.ledger["iteration"] = iteration
         record = self.snapshot()
-        keys = ("job_id", "job_start", "iteration", "attempts", "attempt", "at", "earlier_jobs")
+        keys = ("job_id", "job_start", "iteration", "attempts", "attempt", "at", "earlier_jobs", "startups")
         summary = {**{k: record[k] for k in keys}, **totals(record, record["at"]), "ended": ended}
         if not failed:
             self._write(PROGRESS, record)
@@ -331,6 +353,8 @@ class GoodputCallback(Component):
         """Carry on the ledger of the checkpoint the run resumed from (none: a fresh start)."""
         checkpoints = run.checkpoints
         loaded = checkpoints.resumed["tier"] is not None
+        checkpoints.on_save_retry = self.tracker.add_save_retry
+        self.tracker.phases = dict(run.phases.seconds) if run.phases is not None else {}
         self.tracker.resume(checkpoints.loaded_common_extra.get(ENTRY), run.global_state.train_state.step, loaded)
 
     def finish(self, run: Run, code: Any, reason: str) -> None:

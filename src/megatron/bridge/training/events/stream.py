@@ -4,8 +4,9 @@ The failure it handles: a drill report, a goodput review or a test that reconstr
 the wording, the timestamp format and the interleaving of log lines from several processes; a reworded message
 silently hides a fault, and a line cut by a SIGKILL can break the parser. Here every process appends typed events
 (a fault injected, a fault detected with its mechanism and rank, a restart begun and ended with its layer, a
-checkpoint saved or loaded with bytes and seconds, a step completed, an exit with its code) to its own file, and
-readers get :class:`Event` objects back. ``docs/training/events.md`` documents schema version :data:`SCHEMA_VERSION`.
+checkpoint saved or loaded with bytes and seconds, a step completed, a set-up phase with its start and end, an exit
+with its code) to its own file, and readers get :class:`Event` objects back. ``docs/training/events.md`` documents
+schema version :data:`SCHEMA_VERSION`.
 
 How:
 
@@ -21,9 +22,9 @@ How:
   event (those are written at once, after the buffered steps, in the same ``os.write``). Each event keeps the time
   it was emitted, so readers see the same order either way.
 * Writing never raises into the caller: an unwritable directory or a bad field is logged once and the event dropped.
-* :func:`read_events` returns ``(events, problems)``: a truncated line, a line that is not JSON, an unknown version
-  ``v``, an unknown kind, mechanism or layer, a field of the wrong type is a :class:`Problem` naming the file and the
-  line number, and the line is skipped; reading never raises on bad content.
+* Reading is ``events/reader.py``: ``read_events`` returns ``(events, problems)``; a truncated line, a line that
+  is not JSON, an unknown version ``v``, an unknown kind, mechanism or layer, a field of the wrong type is a
+  ``Problem`` naming the file and the line number, and the line is skipped; reading never raises on bad content.
 
 This module is the bottom layer of the training package: it imports nothing but the standard library, so that every
 feature module (fault injection, re-run, straggler detection, local checkpoints, in-process restart) and the
@@ -34,13 +35,11 @@ nothing.
 Example:
     >>> configure("/runs/job/events", rank=0)
     >>> emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.INPROCESS_SOFT_TIMEOUT, rank=1, iteration=47)
-    >>> events, problems = read_events("/runs/job/events")
 """
 
 import atexit
 import dataclasses
 import enum
-import glob
 import json
 import logging
 import math
@@ -91,6 +90,13 @@ class EventKind(enum.StrEnum):
     """A training attempt (or the launcher) ended with ``exit_code``."""
     LAUNCHER_STARTED = "launcher_started"
     """A node's launcher began (``process_start``: when its process started): the job's time zero for reports."""
+    PHASE = "phase"
+    """A phase of a training attempt's set-up ended: ``cycle_phase`` (a :class:`CyclePhase`) ran from ``start`` to
+    ``end`` (unix times)."""
+    SAVE_ATTEMPT_FAILED = "save_attempt_failed"
+    """Attempt ``save_attempt`` (1-based) of the ``tier`` checkpoint of ``iteration`` failed with a storage error
+    (``detail``; ``exit_code``: the code it would stop with); ``retrying``: it is tried again after ``seconds``
+    (``checkpoint.save_retries``), else the run stops."""
 
 
 class Mechanism(enum.StrEnum):
@@ -141,6 +147,14 @@ class Mechanism(enum.StrEnum):
     SAVE_DIR_CHANGED = "save_dir_changed"
     """``checkpoint.save`` was removed or replaced while the run was going (seen at the save of ``iteration``); it is
     created again and saving goes on."""
+    WEIGHT_HASH = "weight_hash"
+    """The weight-hash check (``train.check_weight_hash_across_dp_replicas_interval``): ``rank`` holds weights that
+    differ from its data-parallel group's majority (with two replicas, both are named) after ``iteration``; exit
+    code 31 (roll back to the newest checkpoint) or 30 (the rank was named before)."""
+    NO_PROGRESS = "no_progress"
+    """The no-progress guard (``health/no_progress.py``), rank 0 at a restart's set-up: the last
+    ``ft.max_no_progress_restarts`` attempts failed without progress; ``rank``, ``iteration`` and ``signal`` name the
+    failure they repeated (unset when they differ), ``detail`` is the report; the job stops with exit code 29."""
 
 
 _INPROCESS_INTERRUPTIONS = {
@@ -169,6 +183,35 @@ class RestartLayer(enum.StrEnum):
     """The launcher stopped and restarted its worker processes."""
     REQUEUE = "requeue"
     """The scheduler started the job again."""
+
+
+class CyclePhase(enum.StrEnum):
+    """A phase of a restart cycle, in their order (``cycle_phase`` of ``phase``; ``docs/training/events.md``).
+
+    A training attempt writes a ``phase`` event for each of its own (process start to data build); the drill derives
+    the others from the launcher's, the restart layers' and the steps' events.
+    """
+
+    DETECTION = "detection"
+    """From the fault to its detection (``fault_injected`` to ``fault_detected``)."""
+    TEARDOWN = "teardown"
+    """From the detection until the failed attempt is gone (``workers_stopped``; in-process: the new iteration)."""
+    RENDEZVOUS = "rendezvous"
+    """In-job: from ``workers_stopped`` to the new worker's fork (the launcher's rendezvous and spawn)."""
+    PROCESS_START = "process_start"
+    """From the worker's fork to the training function's start (interpreter, imports, the in-process wrapper)."""
+    PROCESS_GROUP = "process_group"
+    """The attempt's components built, its process group initialized (every rank joins)."""
+    HEALTH_CHECKS = "health_checks"
+    """The components' ``setup``: device health, the rank monitor's connection, the no-progress guard..."""
+    MODEL_BUILD = "model_build"
+    """The checkpoint manager, the model and its optimizer built."""
+    CHECKPOINT_LOAD = "checkpoint_load"
+    """The newest valid checkpoint loaded (or found absent: a fresh start)."""
+    DATA_BUILD = "data_build"
+    """The data iterators built."""
+    FIRST_STEP = "first_step"
+    """From the end of set-up to the first ``step_completed`` (the features' ``ready``, the step itself)."""
 
 
 class Process(enum.StrEnum):
@@ -249,16 +292,26 @@ class Event:
     individual_scores: Optional[dict[int, float]] = None
     flagged: Optional[list[int]] = None
     """``straggler_report``: the ranks below a threshold."""
+    save_attempt: Optional[int] = None
+    """``save_attempt_failed``: which attempt of the save failed (1: the first)."""
+    retrying: Optional[bool] = None
+    """``save_attempt_failed``: the save is tried again."""
+    cycle_phase: Optional[CyclePhase] = None
+    """``phase``: which phase of the attempt's set-up ended."""
+    start: Optional[float] = None
+    end: Optional[float] = None
+    """``phase``: unix times the phase began and ended (``time.time()``, as ``time``: comparable across processes)."""
     detail: Optional[str] = None
     """Free text for people (never parse it)."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Event)}
-_ENUMS: dict[str, type] = {"kind": EventKind, "mechanism": Mechanism, "layer": RestartLayer, "process": Process}
+_ENUMS: dict[str, type] = {"kind": EventKind, "mechanism": Mechanism, "layer": RestartLayer, "process": Process,
+                           "cycle_phase": CyclePhase}  # fmt: skip
 _INTS = ("pid", "rank", "local_rank", "restart_count", "inprocess_iteration", "iteration", "bytes", "exit_code",
-         "signal", "worker_pid")  # fmt: skip
+         "signal", "worker_pid", "save_attempt")  # fmt: skip
 _FLOATS = ("time", "mono", "seconds", "commit_seconds", "finalize_seconds", "timeout", "process_start",
-           "attempt_start", "score", "threshold")  # fmt: skip
+           "attempt_start", "score", "threshold", "start", "end")  # fmt: skip
 _STRS = ("host", "tier", "section", "fault", "fault_kind", "phase", "attempt", "job_id", "detail")
 _SCORES = ("relative_scores", "individual_scores")
 
@@ -308,9 +361,9 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"field {name} is not a string: {value!r}")
         return value
-    if name == "applied":
+    if name in ("applied", "retrying"):
         if not isinstance(value, bool):
-            raise ValueError(f"field applied is not true/false: {value!r}")
+            raise ValueError(f"field {name} is not true/false: {value!r}")
         return value
     if name in _SCORES:
         if not isinstance(value, dict):
@@ -403,6 +456,8 @@ class EventWriter:
         self._fd_pid: Optional[int] = None
         self._lock = threading.Lock()
         self._failed = False
+        self._torn = False
+        """A write failed: the file may end in a cut line, which the next line must not be glued onto."""
         self.buffered = frozenset(EventKind(k) for k in buffered)
         self._pending: list[bytes] = []
         """Lines of buffered kinds not written yet (this process's: a forked child drops its parent's)."""
@@ -460,10 +515,14 @@ class EventWriter:
                     os.makedirs(self.directory, exist_ok=True)
                     self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
                     self._fd_pid = os.getpid()
+                if self._torn and not _ends_a_line(self.path):  # a full disk cut the last line: start a new one
+                    data = b"\n" + data
+                self._torn = False
                 written = os.write(self._fd, data)
                 if written < len(data):  # only on a full disk or a signal mid-write: finish the lines
                     os.write(self._fd, data[written:])
             except OSError as err:
+                self._torn = True
                 if not self._failed:
                     self._failed = True
                     logger.warning("event stream: cannot append to %s (%s); events are dropped", self.path, err)
@@ -477,6 +536,15 @@ class EventWriter:
             if self._fd is not None and self._fd_pid == os.getpid():
                 os.close(self._fd)
             self._fd = None
+
+
+def _ends_a_line(path: str) -> bool:
+    """Whether the file at ``path`` is empty or ends with a newline (a cut last line does not)."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 _writer: Optional[EventWriter] = None
@@ -532,61 +600,3 @@ def emit(kind: Union[EventKind, str], **fields: Any) -> Optional[Event]:
     """
     current = _writer
     return current.emit(kind, **fields) if current is not None else None
-
-
-# ------------------------------------------------------------------------------------------ reading
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A line of an event file that was skipped, and why."""
-
-    path: str
-    line: int
-    """1-based line number."""
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.reason}"
-
-
-def read_file(path: str) -> tuple[list[Event], list[Problem]]:
-    """The events of one file in file order, and the lines skipped (never raises on bad content)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as err:
-        return [], [Problem(path, 0, f"cannot read: {err}")]
-    events: list[Event] = []
-    problems: list[Problem] = []
-    lines = data.split(b"\n")
-    for number, raw in enumerate(lines, start=1):
-        last = number == len(lines)
-        if last and not raw:
-            break  # the file ends with a newline, as a whole last line does
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            reason = "truncated line (no newline: the writer died mid-line?)" if last else f"not JSON ({err})"
-            problems.append(Problem(path, number, reason))
-            continue
-        try:
-            events.append(from_json(obj))
-        except (ValueError, TypeError) as err:
-            problems.append(Problem(path, number, str(err)))
-    return events, problems
-
-
-def read_events(directory: str) -> tuple[list[Event], list[Problem]]:
-    """Every event of the directory's files (:data:`FILE_GLOB`) in time order, and every line skipped.
-
-    A missing directory has no events and no problem.
-    """
-    events: list[Event] = []
-    problems: list[Problem] = []
-    for path in sorted(glob.glob(os.path.join(directory, FILE_GLOB))):
-        found, bad = read_file(path)
-        events += found
-        problems += bad
-    events.sort(key=lambda e: e.time)  # stable: one writer's events keep their order
-    return events, problems

@@ -34,6 +34,10 @@ class FaultInjection(Component):
         """Strike what is scheduled for the step about to run."""
         self.step_faults.on_train_step_start(context)
 
+    def on_train_step_end(self, context: Any) -> None:
+        """Strike what is scheduled right after the optimizer step (``bitflip``)."""
+        self.step_faults.on_train_step_end(context)
+
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
         """The forward step with this rank's ``slow``, ``nan`` and ``spike`` faults (unchanged without any)."""
         return self.step_faults.wrap_forward_step(forward_step)

@@ -4,9 +4,9 @@ A drill or a test names the faults it wants (in the one grammar of ``faults/spec
 at fails for real at that moment: it stops (SIGSTOP), dies (SIGKILL), raises, is preempted (SIGTERM), stalls, slows
 down, computes a NaN or a spike, is killed in the middle of a checkpoint commit, saves a local checkpoint with NaN
 weights, finds the bytes of its written local checkpoint flipped, fills its disk, runs out of memory, sees its wall
-clock jump, or resumes without restoring a part of its state. Nothing else in the package injects faults: the
-checkpoint commit protocol, the local tier and the load ask this registry whether a fault is due, and
-``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become one of its faults.
+clock jump, resumes without restoring a part of its state, or has one bit of its weights flipped. Nothing else in
+the package injects faults: the checkpoint commit protocol, the local tier and the load ask this registry whether a
+fault is due, and ``ft.simulate_fault*`` (the public FaultToleranceConfig fields) become one of its faults.
 
 The faults of a process are those of ``fault_injection.faults`` (config) and of ``$MBRIDGE_FAULTS`` (for
 launcher-driven runs): when both are set, both apply (the environment's are added to the config's).
@@ -26,6 +26,7 @@ This module imports nothing of the config: :func:`install` takes any object with
 (:class:`FaultSettings`); the config's ``validate()`` checks both sources with :func:`parse` before anything starts.
 """
 
+import errno
 import functools
 import json
 import logging
@@ -49,6 +50,8 @@ from megatron.bridge.training.faults.spec import (  # noqa: F401 - the grammar i
     FORWARD,
     GLOBAL_SAVE,
     GRAMMAR,
+    IO_ERROR,
+    IO_PHASES,
     KINDS,
     LOCAL_SAVE,
     PHASES,
@@ -59,6 +62,7 @@ from megatron.bridge.training.faults.spec import (  # noqa: F401 - the grammar i
     SKIPPED_PART,
     STEP,
     TIMER,
+    UPDATE,
     Fault,
     number,
     parse,
@@ -142,12 +146,13 @@ class FaultRegistry:
             self.record(fault)
         return fault
 
-    def record(self, fault: Fault) -> None:
+    def record(self, fault: Fault, keep_due: bool = False) -> None:
         """``fault`` is about to strike: no longer due in this attempt (unless ``always``); in the ledger, durably.
 
         Also a ``fault_injected`` event (``events/stream.py``), with or without a ledger: when it struck, for reports.
+        ``keep_due``: it strikes again (an ``io-error`` with attempts left to fail).
         """
-        if not fault.always and fault in self._due:
+        if not fault.always and not keep_due and fault in self._due:
             self._due.remove(fault)
         event_stream.emit(
             EventKind.FAULT_INJECTED,
@@ -209,6 +214,53 @@ def at_save_point(point: str, rank: int, iteration: int) -> None:
     if fault is not None:
         how = {"kill": "SIGKILL", "hang": "SIGSTOP", "stall": "a stalled write"}.get(fault.kind, fault.kind)
         strike(fault.kind, f"checkpoint point {point!r} on rank {rank}, iteration {iteration}", label=how)
+
+
+def io_error(phase: str, rank: int, iteration: int, path: str) -> Optional[OSError]:
+    """The error this attempt of the global save of ``iteration`` fails with at ``phase`` on ``rank`` (``None``: none).
+
+    ``phase``: one of :data:`IO_PHASES`. Each call is one attempt: an ``io-error`` due there strikes in the first
+    ``x<N>`` attempts (every one with ``always``), each recorded as struck. ``path``: what the error names.
+    """
+    due = registry()
+    fault = next((f for f in due.pending(rank, (phase,)) if f.kind == IO_ERROR and f.iteration == iteration), None)
+    if fault is None:
+        return None
+    key = (id(due), fault)
+    struck = _io_strikes[key] = _io_strikes.get(key, 0) + 1
+    due.record(fault, keep_due=struck < fault.scale)
+    logger.error(
+        "fault injection: io-error (%s) on rank %d, iteration %d, attempt %d: %s", phase, rank, iteration, struck, path
+    )
+    return OSError(errno.EIO, f"Input/output error (injected io-error at {phase}, attempt {struck})", path)
+
+
+_io_strikes: dict[tuple[int, Fault], int] = {}
+"""How many attempts each ``io-error`` made fail, per registry."""
+
+
+def io_errors_in_writer(phase: str, rank: int, iteration: int, path: str) -> Optional[tuple[OSError, Optional[int]]]:
+    """The error, and how many attempts it fails (``None``: every one), of an async global save's background writer.
+
+    That writer makes every attempt of the save of ``iteration`` itself (it retries it), so one call covers them all:
+    an ``io-error`` due at ``phase`` on ``rank`` fails the writer's first ``x<N>`` attempts (every one with
+    ``always``). It is recorded as struck once, here, when the save is handed to the writer.
+    """
+    due = registry()
+    fault = next((f for f in due.pending(rank, (phase,)) if f.kind == IO_ERROR and f.iteration == iteration), None)
+    if fault is None:
+        return None
+    due.record(fault)
+    attempts = None if fault.always else int(fault.scale)
+    logger.error(
+        "fault injection: io-error (%s) on rank %d, iteration %d: %s attempts of the background write fail: %s",
+        phase,
+        rank,
+        iteration,
+        "all" if attempts is None else f"the first {attempts}",
+        path,
+    )
+    return OSError(errno.EIO, f"Input/output error (injected io-error at {phase})", path), attempts
 
 
 def poisons_local_save(rank: int, iteration: int) -> bool:
@@ -282,6 +334,27 @@ def strike(kind: str, where: str, label: Optional[str] = None, factor: Optional[
         raise RuntimeError(f"fault injection: exception at {where}")
 
 
+def flip_one_bit(chunks: Iterable[Any]) -> str:
+    """Flip one bit of the rank's weights in place: bit 4 of a byte of the middle element of its largest parameter.
+
+    The byte is the element's second-highest for elements of 4 or more bytes (in a float32: mantissa bits 16-22 and
+    the exponent's lowest bit; bit 4 is mantissa bit 20), its lowest otherwise (in a bfloat16: mantissa bits): the
+    value changes by up to an eighth and stays finite, a corruption no loss check sees. Returns where it flipped.
+    """
+    name, param = max(
+        ((f"{i}.{n}", p) for i, chunk in enumerate(chunks) for n, p in chunk.named_parameters()),
+        key=lambda item: item[1].numel(),
+    )
+    size = param.element_size()
+    element = param.numel() // 2
+    offset = element * size + (size - 2 if size >= 4 else 0)
+    import torch
+
+    with torch.no_grad():
+        param.data.view(-1).view(torch.uint8)[offset] ^= 1 << 4
+    return f"parameter {name} (<chunk>.<name>), element {element}, byte {offset} of its data, bit 4"
+
+
 def stall_forever() -> None:
     """Never return, waiting with the GIL released (the ``stall`` fault; hang attribution names this function)."""
     while True:  # short sleeps: the GIL is free, and an exception raised asynchronously into the thread lands
@@ -302,11 +375,12 @@ class StepFaults(Callback):
     def __init__(self, rank: int, faults: Optional[FaultRegistry] = None) -> None:
         self._registry = faults if faults is not None else registry()
         self.rank = rank
-        mine = self._registry.pending(rank, (STEP, FORWARD, TIMER))
+        mine = self._registry.pending(rank, (STEP, FORWARD, TIMER, UPDATE))
         self._at = {f.iteration: f for f in mine if f.phase == STEP}
         self._values = {f.iteration: f for f in mine if f.phase == FORWARD and f.kind != "slow"}
         self._slow: Optional[Fault] = next((f for f in mine if f.kind == "slow"), None)
         self._timed = [f for f in mine if f.phase == TIMER]
+        self._updates = {f.iteration: f for f in mine if f.phase == UPDATE}
         self._slow_now = False
         self._recent_forward: list[float] = []
         """The rank's latest forward times (without ``slow``'s sleep): their median is what ``slow`` multiplies."""
@@ -330,6 +404,17 @@ class StepFaults(Callback):
         if fault is not None:
             self._registry.record(fault)
             strike(fault.kind, f"iteration {iteration}", factor=fault.factor)
+
+    def on_train_step_end(self, context: Any) -> None:
+        """Strike what is scheduled right after the optimizer step of the step that just ran (``bitflip``)."""
+        fault = self._updates.get(context.state.train_state.step + 1)
+        if fault is None:
+            return
+        if not fault.always:
+            del self._updates[fault.iteration]
+        self._registry.record(fault)
+        where = flip_one_bit(context.model)
+        logger.error("fault injection: bitflip after the optimizer step of iteration %d: %s", fault.iteration, where)
 
     def _arm(self, fault: Fault) -> None:
         """Start the timer of a timed fault."""

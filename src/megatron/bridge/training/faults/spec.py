@@ -38,6 +38,16 @@ Spec: a comma-separated list of ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:al
     then raises a ``RuntimeError`` saying that nothing killed it), ``clock-jump`` (this process's wall clock,
     ``time.time()`` and ``time.time_ns()``, jumps by ``x<factor>`` hours, default 1, negative for backwards, from
     then on; the monotonic clocks do not move: an NTP step or a mis-set clock, seen by this rank only): ``step``;
+  - ``bitflip``: ``update`` (after the optimizer step of that iteration, one bit of one element in the middle of the
+    rank's largest parameter tensor is flipped in place: silent data corruption of one replica's weights, which
+    ``train.check_weight_hash_across_dp_replicas_interval`` finds; a mantissa bit, so the loss stays finite);
+  - ``io-error`` (the save fails with ``EIO``, as a flaky or overloaded file server makes it fail; ``x<N>``: the
+    first ``N`` attempts of that save fail, default 1, then the retries of ``checkpoint.save_retries`` succeed;
+    ``:always``: every attempt fails, a persistent error): ``write`` (the rank's first shard file of the global
+    save is cut to half its size and its write fails), ``fsync`` (the file is written whole, its fsync fails),
+    ``rename`` (rank 0's commit fails to rename the save's temporary directory to ``iter_N``: nothing is
+    published). Attempts are counted in the training process; an async save's ``write`` and ``fsync`` attempts in
+    its background writer, which retries them;
   - ``no-rng-restore``, ``no-optimizer-restore``, ``no-data-restore`` (a broken resume on purpose, to prove that a
     comparison with an uninterrupted run catches it: the drill's mutations): ``restore``: as the rank loads the
     checkpoint of that iteration (either tier) it leaves that part as its fresh start made it: every random
@@ -51,7 +61,9 @@ Spec: a comma-separated list of ``<kind>@<when>:<rank>[:<phase>][:x<factor>][:al
   computed, so it verifies (a state that is bad although intact, as a replica assembled from the wrong pieces would
   be). ``global_save``: before the rank writes its files of a global checkpoint. ``timer``: goes with
   ``<seconds>s``, from a timer thread (``ft.simulate_fault`` is such a fault). ``restore``: at the load of the
-  checkpoint of that iteration.
+  checkpoint of that iteration. ``update``: right after the optimizer step of that iteration (before any check or save
+  of it). ``write``, ``fsync``, ``rename``: in each attempt of the global save of that iteration
+  (:data:`IO_PHASES`; ``rename`` needs rank 0).
 - ``always``: strike in every attempt, not only the first (``faults/injection.py`` says which attempt a fault
   strikes in, and how the ledger spans restarts).
 
@@ -85,6 +97,12 @@ SAVE_POINTS = (
 """The points of ``checkpoint/layout.py``'s commit protocol a ``save.<point>`` fault can strike at."""
 RESTORE = "restore"
 """The phase at the load of a checkpoint (the broken-resume kinds)."""
+UPDATE = "update"
+"""The phase right after the optimizer step of an iteration (``bitflip``)."""
+IO_PHASES = ("write", "fsync", "rename")
+"""Where an ``io-error`` strikes in an attempt of a global save: a shard's write, its fsync, the commit's rename."""
+IO_ERROR = "io-error"
+"""The kind of a failing save attempt (``checkpoint.save_retries`` retries it)."""
 RESTORE_PARTS = ("rng", "optimizer", "data")
 """What a resume can be made to leave unrestored."""
 SKIPPED_PART = {f"no-{part}-restore": part for part in RESTORE_PARTS}
@@ -105,14 +123,16 @@ PHASES = {
     "fill": (GLOBAL_SAVE, LOCAL_SAVE),
     "oom": (STEP,),
     "clock-jump": (STEP,),
+    "bitflip": (UPDATE,),
+    IO_ERROR: IO_PHASES,
     **dict.fromkeys(SKIPPED_PART, (RESTORE,)),
 }
 """Every kind and the phases it can strike in; the first is its default."""
 KINDS = tuple(PHASES)
 """Every kind, in the order the module docstring lists them."""
-FACTORS = {"slow": 2.0, "spike": 100.0, "clock-jump": 1.0}
-"""Kinds that take ``x<factor>``, and their default factor (``clock-jump``: hours)."""
-_PLAIN_PHASES = (STEP, FORWARD, LOCAL_SAVE, GLOBAL_SAVE, TIMER, RESTORE)
+FACTORS = {"slow": 2.0, "spike": 100.0, "clock-jump": 1.0, IO_ERROR: 1.0}
+"""Kinds that take ``x<factor>``, and their default factor (``clock-jump``: hours; ``io-error``: failed attempts)."""
+_PLAIN_PHASES = (STEP, FORWARD, LOCAL_SAVE, GLOBAL_SAVE, TIMER, RESTORE, UPDATE, *IO_PHASES)
 
 
 def number(value: float) -> str:
@@ -167,7 +187,11 @@ class Fault:
             raise ValueError(f"x<factor> is only for {', '.join(FACTORS)}")
         if self.kind == "clock-jump" and self.factor is not None and not 0 < abs(self.factor) < 1e4:
             raise ValueError(f"x{self.factor:g}: a clock jump is a non-zero number of hours, under 10000 either way")
-        if self.kind != "clock-jump" and self.factor is not None and not 1 < self.factor < 1e3:
+        if self.phase == IO_PHASES[2] and self.rank != 0:
+            raise ValueError("only rank 0 renames the save's directory (it commits the checkpoint)")
+        if self.kind == IO_ERROR and self.factor is not None and self.factor not in range(1, 1000):
+            raise ValueError(f"x{self.factor:g}: an io-error fails a whole number of attempts, 1 to 999")
+        if self.kind not in ("clock-jump", IO_ERROR) and self.factor is not None and not 1 < self.factor < 1e3:
             raise ValueError(f"factor {self.factor:g} is not in (1, 1000)")
 
     @property
@@ -229,7 +253,7 @@ def _parse_item(item: str) -> Fault:
         else:
             raise ValueError(
                 f"option {option!r} is unknown or given twice (options: a phase {STEP}, {FORWARD}, {SAVE}<point>, "
-                f"{GLOBAL_SAVE}, {LOCAL_SAVE}, {TIMER}, {RESTORE}; x<factor>; always)"
+                f"{GLOBAL_SAVE}, {LOCAL_SAVE}, {TIMER}, {RESTORE}, {UPDATE}, {', '.join(IO_PHASES)}; x<factor>; always)"
             )
     return Fault(kind, iteration, rank, phase, always, factor, seconds)
 
