@@ -10,8 +10,9 @@ the GPT forward step, as ``megatron.bridge.recipes.run`` does. What the probes a
   long: every forward pass (micro-batch) also runs matrix products on the training device, in all worth ``factor -
   1`` times the median step time measured before, so that CUDA kernel timing sees the slowdown (a sleep would only
   show in wall time) and so does the wall time of every forward pass (the CPU's score source, a median over the
-  passes). The products read constant tensors made here and write a buffer nobody reads: the training state and
-  every random generator are untouched.
+  passes). On a GPU the number of products is sized once; on CPU each pass runs them until its share of that time
+  is spent, since a shared CPU's load moves the time one product takes. The products read constant tensors made
+  here and write a buffer nobody reads: the training state and every random generator are untouched.
 
     python -m megatron.bridge.ft_launch --nproc-per-node=1 ... scripts/gpu_check_worker.py
         llama3_tiny_pretrain_config key=value ...
@@ -50,6 +51,8 @@ class Probe:
         self.calls = 0
         """Forward passes in the current step."""
         self.calls_per_step = 1
+        self.extra_seconds: Optional[float] = None
+        """On CPU, the wall time each forward pass of a slowed step adds (the products run until it is spent)."""
         self._operands: Any = None
 
     def on_train_start(self, context: Any) -> None:
@@ -95,7 +98,14 @@ class Probe:
         import torch
 
         a, b, out = self._operands
-        for _ in range(self.products):
+        if self.extra_seconds is None:
+            for _ in range(self.products):
+                torch.mm(a, b, out=out)
+            return
+        # On CPU the pass runs products until its extra wall time is spent: a count sized once would add less time
+        # whenever the load on a shared CPU falls after it was measured, and the slowdown would not show.
+        until = time.perf_counter() + self.extra_seconds
+        while time.perf_counter() < until:
             torch.mm(a, b, out=out)
 
     def _size_extra_work(self) -> None:
@@ -126,6 +136,8 @@ class Probe:
             unit = (time.perf_counter() - start) / repeats
         step = statistics.median(self.step_times) if self.step_times else unit
         self.products = max(1, round((self.factor - 1) * step / unit / self.calls_per_step))
+        if not cuda:
+            self.extra_seconds = (self.factor - 1) * step / self.calls_per_step
         print(
             f"[gpu_check_worker] slowing every step from iteration {self.iteration}: {self.products} extra "
             f"{n}x{n} products of {unit * 1e3:.3f} ms in each of its {self.calls_per_step} forward passes on "
