@@ -29,6 +29,11 @@ paragraph naming the host, the port and the fix, exit code 28 (``LAUNCH_FAILED``
 event with the paragraph as its ``detail``). With ``--event-dir``, a worker the kernel's out-of-memory killer killed
 is named as such (``training/events/launcher.py``, ``utils/oom.py``).
 
+Elastic ranges: ``--nnodes=MIN:MAX`` with ``--standalone`` (no other node can join) is refused before anything
+starts, exit code 2 (``CONFIG_ERROR``); under nvidia-resiliency-ext's barrier rendezvous (0.6's default, 0.7's only
+one) a range means MIN training nodes plus hot spares, which a line says. The range the workers will see is passed
+to them as ``MBRIDGE_NNODES`` (``utils/elastic.py``): training checks every node count of it at start.
+
 Example:
     python -m megatron.bridge.ft_launch --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0
         --max-restarts=3 --event-dir=runs/x/events -m megatron.bridge.recipes.tiny_gpt train.train_iters=100
@@ -49,7 +54,7 @@ from megatron.bridge.training.config_sections.resiliency import (
 from megatron.bridge.training.events import launcher as launcher_events
 from megatron.bridge.training.events.stream import EventKind, EventWriter, Process, launcher_file
 from megatron.bridge.training.exit_codes import STOP_CODES, ExitCode, job_exit_code
-from megatron.bridge.utils import rendezvous_port, upstream
+from megatron.bridge.utils import elastic, rendezvous_keep_alive, rendezvous_port, upstream
 from megatron.bridge.utils.process_start import process_start_time
 from megatron.bridge.utils.rendezvous_port import StorePort
 
@@ -233,12 +238,51 @@ def _close_rendezvous(worker_group: Any) -> None:
         print(f"ft_launch: could not close the rendezvous ({type(err).__name__}: {err})", file=sys.stderr)
 
 
+def _elastic_range(parsed: Any, argv: list[str]) -> Optional[str]:
+    """Why ``--nnodes=MIN:MAX`` cannot be honoured (``None``: it can); exports the workers' range (``utils/elastic``).
+
+    Under nvidia-resiliency-ext's barrier rendezvous a range means hot spares, not shrinking: a line says so.
+    """
+    refused = elastic.refusal(parsed, "ft_launch")
+    if refused is not None:
+        return refused
+    notice = elastic.notice(parsed, argv)
+    if notice is not None:
+        print(notice, file=sys.stderr)
+    elastic.export(elastic.workers_range(parsed, argv))
+    return None
+
+
+def _keep_alive(parsed: Any) -> Optional[str]:
+    """Why ``--rdzv-conf``'s heartbeat settings cannot be used (``None``: they are used, or not given).
+
+    nvidia-resiliency-ext's rendezvous ignores them (``utils/rendezvous_keep_alive.py``); this makes it honour them.
+    """
+    try:
+        wanted = rendezvous_keep_alive.from_rdzv_conf(getattr(parsed, "rdzv_conf", None))
+    except ValueError as err:
+        return f"ft_launch: {err}"
+    if wanted is not None and rendezvous_keep_alive.install(wanted):
+        print(f"ft_launch: the rendezvous drops a node after {wanted.dropped_after_s:g} s without heartbeats "
+              f"(keep_alive_interval={wanted.interval_s:g}, keep_alive_max_attempt={wanted.max_attempt})",
+              file=sys.stderr)  # fmt: skip
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run ``ft_launcher`` with ``argv`` (default: this process's arguments); return its exit code."""
     import torch  # noqa: F401 - before the standby forks: its workers need it; ft_launcher's logging they do not
 
     event_dir, argv = take_event_dir(sys.argv[1:] if argv is None else argv)
     parsed = rendezvous_port.parse_ft_launcher_args([a for a in argv if a != standby.OPT_OUT])
+    if parsed is not None:
+        refused = _elastic_range(parsed, argv) or _keep_alive(parsed)
+        if refused is not None:
+            print(refused, file=sys.stderr)
+            if event_dir:
+                writer = EventWriter(event_dir, launcher_file(), Process.LAUNCHER)
+                writer.emit(EventKind.EXIT, exit_code=int(ExitCode.CONFIG_ERROR), detail=refused)
+            return int(ExitCode.CONFIG_ERROR)
     store = rendezvous_port.hosted_store(parsed) if parsed is not None else None
     taken = rendezvous_port.port_taken(store, rendezvous_port.FT_LAUNCHER)  # before the standby starts importing
     if taken is not None:

@@ -13,6 +13,10 @@ Host and launch faults: a rendezvous port another process listens on is found be
 ``utils/rendezvous_port.py``), and so is the store's own bind or connection error if it surfaces later: one paragraph
 naming the host and port and the fix, exit code 28 (``LAUNCH_FAILED``). A worker killed by SIGKILL is looked up in
 the kernel's out-of-memory records (``utils/oom.py``): if the OOM killer killed it, a line says so, with the fix.
+
+Elastic ranges: ``--nnodes=MIN:MAX`` with MIN < MAX on a rendezvous that cannot re-form with fewer nodes (``static``,
+torchrun's default, or ``--standalone``) is refused before anything starts, exit code 2 (``CONFIG_ERROR``); the range
+is passed to the workers as ``MBRIDGE_NNODES`` (``utils/elastic.py``).
 """
 
 import signal
@@ -24,14 +28,20 @@ from torch.distributed.run import parse_args, run
 
 from megatron.bridge import standby
 from megatron.bridge.training.exit_codes import ExitCode, job_exit_code
-from megatron.bridge.utils import oom, rendezvous_port
+from megatron.bridge.utils import elastic, oom, rendezvous_port
 from megatron.bridge.utils.fast_exit import exit_without_final_collection
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; return the failed workers' exit code (:func:`job_exit_code`), or 0."""
     argv = sys.argv[1:] if argv is None else argv
-    store = rendezvous_port.hosted_store(parse_args([a for a in argv if a != standby.OPT_OUT]))
+    parsed = parse_args([a for a in argv if a != standby.OPT_OUT])
+    refused = elastic.refusal(parsed, "megatron.bridge.launch")
+    if refused is not None:  # before anything starts: a range this rendezvous cannot honour
+        print(refused, file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    elastic.export(elastic.workers_range(parsed))
+    store = rendezvous_port.hosted_store(parsed)
     taken = rendezvous_port.port_taken(store, rendezvous_port.TORCHRUN)  # before the standby starts importing
     if taken is not None:
         print(taken, file=sys.stderr)

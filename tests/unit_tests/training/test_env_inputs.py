@@ -25,6 +25,7 @@ VALIDATION_MODULES = (
     "megatron.bridge.training.config_checks.container",
     "megatron.bridge.training.config_checks.resiliency",
     "megatron.bridge.training.config_checks.checkpoint",
+    "megatron.bridge.training.config_checks.elastic",
     "megatron.bridge.training.config_checks.field_support",
     "megatron.bridge.utils.fields",
 )

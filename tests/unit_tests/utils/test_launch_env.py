@@ -107,7 +107,7 @@ def test_the_identity_is_frozen_and_every_attribute_names_its_variables(bare):
         env.rank = 1  # type: ignore[misc]
     fields = {f.name for f in dataclasses.fields(LaunchEnv)}
     assert fields <= set(launch_env.VARIABLES)
-    assert set(launch_env.VARIABLES) - fields == {"ranks_per_node", "master_endpoint", "store_port"}
+    assert set(launch_env.VARIABLES) - fields == {"ranks_per_node", "master_endpoint", "store_port", "elastic"}
 
 
 def test_the_store_port_alone_needs_only_master_port():

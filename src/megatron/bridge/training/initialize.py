@@ -129,14 +129,20 @@ def initialize_distributed(cfg: ConfigContainer, store: Optional[dist.Store] = N
             virtual_pipeline_model_parallel_size=cfg.model.virtual_pipeline_model_parallel_size,
             distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
         )
+    dp = parallel_state.get_data_parallel_world_size()
+    batch, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
     logger.info(
-        "initialized %s on %s: world size %d, tensor parallel %d, pipeline parallel %d, data parallel %d",
+        "initialized %s on %s: world size %d, tensor parallel %d, pipeline parallel %d, data parallel %d "
+        "(global batch %s: %s micro-batch(es) of %s per data-parallel rank and step)",
         backend,
         device,
         dist.get_world_size(),
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(),
+        dp,
+        batch,
+        batch // (micro * dp) if batch and micro else "?",
+        micro,
     )
     return device
 

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.bridge.utils.elastic import NNODES_ENV, node_range
+
 LAUNCHERS = "torchrun, python -m megatron.bridge.launch and ft_launcher"
 """The launchers that set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT``."""
@@ -58,6 +60,14 @@ class LaunchEnv:
     """``SLURM_PROCID``: the Slurm task's global rank (set by ``srun``); ``None`` when unset (not under Slurm)."""
     slurm_localid: Optional[int] = None
     """``SLURM_LOCALID``: the Slurm task's rank on its node; ``None`` when unset (not under Slurm)."""
+    node_range: Optional[tuple[int, int]] = None
+    """``MBRIDGE_NNODES``: the node counts ``(MIN, MAX)`` the job may run on (``megatron.bridge.launch`` and
+    ``ft_launch`` set it from ``--nnodes``, ``utils/elastic.py``); ``None`` when unset (no elastic range known)."""
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may run on fewer nodes than it started with (``--nnodes=MIN:MAX``, MIN < MAX)."""
+        return self.node_range is not None and self.node_range[0] < self.node_range[1]
 
     @property
     def ranks_per_node(self) -> int:
@@ -108,6 +118,8 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "store_port": ("MASTER_PORT",),
     "slurm_procid": ("SLURM_PROCID",),
     "slurm_localid": ("SLURM_LOCALID",),
+    "node_range": ("MBRIDGE_NNODES",),
+    "elastic": ("MBRIDGE_NNODES",),
 }
 """The variables behind each attribute of :class:`LaunchEnv` (how a check that lists its inputs follows a read)."""
 
@@ -132,7 +144,22 @@ def current(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         master_port=_integer(env, "MASTER_PORT", None, minimum=0, maximum=MAX_PORT),
         slurm_procid=_integer(env, "SLURM_PROCID", None, minimum=0),
         slurm_localid=_integer(env, "SLURM_LOCALID", None, minimum=0),
+        node_range=_node_range(env),
     )
+
+
+def _node_range(env: Mapping[str, str]) -> Optional[tuple[int, int]]:
+    """``MBRIDGE_NNODES`` as ``(MIN, MAX)``; ``None`` when unset or empty."""
+    raw = env.get(NNODES_ENV)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return node_range(raw)
+    except ValueError:
+        raise ValueError(
+            f"{NNODES_ENV}={raw!r} is not N or MIN:MAX with 1 <= MIN <= MAX; fix: unset it (python -m "
+            "megatron.bridge.launch and megatron.bridge.ft_launch set it from --nnodes themselves)"
+        ) from None
 
 
 def _integer(

@@ -134,6 +134,11 @@ PICK_PORT_SOCKET = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.
 """``ft_launcher``'s pick of the workers' store port before nvidia-resiliency-ext 0.6: returns a bound socket."""
 PICK_PORT_NUMBER = "torch.distributed.elastic.rendezvous.api:get_free_port"
 """The same pick from 0.6 on (torch's rendezvous, as the module's own name): returns the port number."""
+RENDEZVOUS_SETTINGS = (
+    "nvidia_resiliency_ext.fault_tolerance._ft_rendezvous:RendezvousSettings",
+    "nvidia_resiliency_ext.fault_tolerance.ft_rendezvous_barrier:RendezvousSettings",
+)
+"""The settings class of ``ft_launcher``'s legacy rendezvous (before 0.7) and of its barrier one (from 0.6)."""
 
 
 def _worker_handler(module: str, launcher: str, when: str = "") -> tuple[Symbol, ...]:
@@ -347,6 +352,10 @@ SYMBOLS: tuple[Symbol, ...] = (
         when=NVRX_TORCH_ELASTIC,
     ),
     # ---------------------------------------------------------------- nvidia-resiliency-ext
+    *(
+        Symbol(key, "patch", "utils/rendezvous_keep_alive.py: the heartbeat settings of --rdzv-conf", when=when)
+        for key, when in zip(RENDEZVOUS_SETTINGS, ("nvidia-resiliency-ext<0.7", "nvidia-resiliency-ext>=0.6"))
+    ),
     *_worker_handler(_NVRX_HANDLER, "ft_launcher", when=NVRX_OWN_ELASTIC),
     Symbol(
         PICK_PORT_SOCKET,

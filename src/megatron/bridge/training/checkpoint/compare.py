@@ -27,8 +27,9 @@ STEP_COUNTS = ("step", "common_step")
 (megatron-core's other optimizers keep ``state.common_step``)."""
 COMMON_STATE_SHARD = "common_state"
 """The shard that holds a checkpoint's common part from megatron-core 0.19 on (before, ``common.pt``)."""
-NOT_TRAINING_STATE = ("goodput",)
-"""Top-level entries of a checkpoint's common part that differ between equal runs (timing, not state)."""
+NOT_TRAINING_STATE = ("goodput", "parallel_layout")
+"""Top-level entries of a checkpoint's common part that are not training state: how the run went (timing), and the
+layout it was saved under (``contents.parallel_layout``: which loads are refused, not what was computed)."""
 
 MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE, DATA_POSITION, RNG, OTHER = (
     "model", "optimizer", "scheduler", "train state", "data position", "RNG", "other",

@@ -44,6 +44,55 @@ RANK_EXTRA_KEY = "rank_extra"
 """Key of the per-rank extra state inside the per-rank RNG blob."""
 
 
+PARALLEL_LAYOUT_KEY = "parallel_layout"
+"""Entry of the common part: the model-parallel layout the checkpoint was saved under (:func:`parallel_layout`)."""
+
+_MODEL_PARALLEL = (
+    ("tensor_model_parallel_size", "model.tensor_model_parallel_size"),
+    ("pipeline_model_parallel_size", "model.pipeline_model_parallel_size"),
+    ("model_chunks", "model.virtual_pipeline_model_parallel_size"),
+)
+
+
+def parallel_layout(model: list[torch.nn.Module]) -> dict[str, Any]:
+    """The model-parallel sizes of this run and whether its optimizer is distributed (what a checkpoint records)."""
+    from megatron.core import parallel_state
+
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "model_chunks": len(model),
+        "distributed_optimizer": optimizer_state.optimizer_metadata(model) is not None,
+    }
+
+
+def layout_refusal(saved: Any, current: dict[str, Any], ckpt_dir: str) -> Optional[str]:
+    """Why the checkpoint saved under layout ``saved`` cannot be loaded into a run of layout ``current`` (or ``None``).
+
+    The distributed optimizer's state is saved in megatron-core's ``dp_reshardable`` form (``optimizer_state.py``):
+    its buffers, laid out by the model-parallel sizes, which megatron-core reshards along the data-parallel dimension
+    only. A checkpoint of it is loaded at any data-parallel size (an elastic shrink) but not under other tensor or
+    pipeline sizes: refused, naming what changed. Without the distributed optimizer nothing is refused here (model
+    weights and a per-parameter optimizer state are saved with their global shapes); nor for a checkpoint that
+    recorded no layout (written before it was recorded).
+    """
+    if not isinstance(saved, dict) or not saved.get("distributed_optimizer"):
+        return None
+    changed = [
+        f"{field} {saved.get(key)} in the checkpoint, {current[key]} now"
+        for key, field in _MODEL_PARALLEL
+        if key in saved and saved[key] != current[key]
+    ]
+    if not changed:
+        return None
+    return (
+        f"{ckpt_dir} was saved with the distributed optimizer under another model-parallel layout ("
+        f"{'; '.join(changed)}): its optimizer state can be resharded across data-parallel ranks only (a shrink or "
+        "growth of the data-parallel size), not across tensor or pipeline ranks. Fix: resume with the checkpoint's "
+        "model-parallel sizes (only the number of nodes may change), or start a new run from its weights"
+    )
+
+
 def model_state_keys(model: list[torch.nn.Module]) -> list[str]:
     """Checkpoint keys of the model chunks: ``model`` for one chunk, ``model0``, ``model1``, ... when interleaved."""
     return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
@@ -99,6 +148,7 @@ def sharded_state_dict(
         "train_state": state.state_dict(),
         "rng_bytes": rng_bytes,
         "rng_world_size": world_size(),
+        PARALLEL_LAYOUT_KEY: parallel_layout(model),
     }
 
 

@@ -236,6 +236,11 @@ class LoadPath:
         common, *_ = self.api._load_base_checkpoint(ckpt_dir, self.cfg, rank0=True, checkpointing_context=context)
         if not contents.written_here(common):
             return self._load_foreign(ckpt_dir, common, model, optimizer, scheduler, state)
+        refused = contents.layout_refusal(
+            common.get(contents.PARALLEL_LAYOUT_KEY), contents.parallel_layout(model), ckpt_dir
+        )
+        if refused is not None:
+            raise TrainingExit(ExitCode.CONFIG_ERROR, refused)
         sharded_sd = self._state_dict_to_load(common, model, optimizer, scheduler, state)
         loaded, *_ = self.api._load_base_checkpoint(
             ckpt_dir, self.cfg, rank0=False, sharded_state_dict=sharded_sd, checkpointing_context=context

@@ -149,6 +149,16 @@ def owner_tag(rank: int, iteration: int, layout: str = "") -> str:
     return f"rank {rank}, iteration {iteration}" + (f", {layout}" if layout else "")
 
 
+def saved_layout(tasd: Any) -> Optional[str]:
+    """The parallel layout a shard was saved under, from its owner's tag (``None``: no tag; ``""``: none recorded)."""
+    hashes = getattr(tasd, HASHES_ATTR, None)
+    tag = hashes.get(_OWNER) if isinstance(hashes, dict) else None
+    if not isinstance(tag, str):
+        return None
+    parts = tag.split(", ", 2)  # "rank R", "iteration I", the layout
+    return parts[2] if len(parts) == 3 else ""
+
+
 def verify_content(tasd: Any, owner: Optional[str] = None) -> list[str]:
     """Problems of ``tasd`` against the hashes its owner stored in it (empty when it is intact).
 
@@ -493,6 +503,8 @@ class LocalTier:
             problems += [
                 f"{where}: {p}" for p in verify_content(mine[ckpt_id], owner_tag(ckpt_id[1], iteration, self.layout))
             ]
+        if self._other_layout(iteration, [saved_layout(shard) for shard in mine.values()]):
+            return None
         if self._reject(iteration, _agreed(problems)):
             return None
         retrieved = False
@@ -527,6 +539,21 @@ class LocalTier:
         upstream.bound(self.manager, f"{_MANAGER}._cleanup_failed_save")(iteration)
         self.manager.latest_iteration = -1
         dist_utils.barrier()
+
+    def _other_layout(self, iteration: int, layouts: list[Optional[str]]) -> bool:
+        """Whether the shards read (any rank's ``layouts``) are of another layout (a shrink): skip them, not blame."""
+        other = sorted({layout for layout in _agreed([x for x in layouts if x and x != self.layout])})
+        if not other:
+            return False
+        logger.warning(
+            "local checkpoint at iteration %d was saved under another parallel layout (%s; this run: %s): the local "
+            "tier cannot reshard, so it is skipped and the global checkpoint is loaded instead",
+            iteration,
+            "; ".join(other),
+            self.layout,
+        )
+        self.manager.latest_iteration = -1  # not loaded: this run's own saves of the same iterations replace it
+        return True
 
     def _reject(self, iteration: int, problems: list[str]) -> bool:
         if not problems:
@@ -568,6 +595,8 @@ def local_tier_of(cfg: CheckpointConfig, on_saved: Callable[[int], None]) -> Opt
     if cfg.replication:
         jump = cfg.replication_jump or launch_env.current().ranks_per_node  # validate() checked both
         replication = (jump, cfg.replication_factor)
+        if dist_utils.world_size() % (jump * cfg.replication_factor):  # validate() allows it after a shrink only
+            replication = None
     assert cfg.non_persistent_local_ckpt_dir is not None, "validate() guarantees the local directory"
     return LocalTier(
         cfg.non_persistent_local_ckpt_dir,

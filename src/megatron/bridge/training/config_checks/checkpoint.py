@@ -191,6 +191,18 @@ def _validate_replication(c: Section, world_size: int) -> None:
             "use 2 or more, or checkpoint.replication=false",
         )
     if world_size % (jump * c.replication_factor):
+        env = launch_env.current()
+        if env.elastic and env.node_range is not None and world_size < env.node_range[1] * env.ranks_per_node:
+            logger.warning(
+                "checkpoint.replication: world size %d after an elastic shrink (--nnodes=%d:%d) is not divisible by "
+                "replication_jump * replication_factor = %d * %d: local checkpoints are saved without replicas until "
+                "the job is back on enough nodes (the global tier still protects against a lost node)",
+                world_size,
+                *env.node_range,
+                jump,
+                c.replication_factor,
+            )
+            return
         _fail(
             "checkpoint.replication_factor",
             f"world size {world_size} is not divisible by replication_jump * "

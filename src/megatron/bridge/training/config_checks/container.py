@@ -30,6 +30,7 @@ import torch
 
 from megatron.bridge.training.config_checks.checkpoint import validate_checkpoint
 from megatron.bridge.training.config_checks.cross import validate_evaluation_batches, validate_schedule
+from megatron.bridge.training.config_checks.elastic import shrink_note, validate_elastic
 from megatron.bridge.training.config_checks.field_support import REFUSED, refused_fields
 from megatron.bridge.training.config_checks.resiliency import validate_resiliency
 from megatron.bridge.training.config_checks.types import Container, ModelConfig
@@ -63,6 +64,7 @@ def validate_config(cfg: Container, world_size: Optional[int], store_port_offset
     _validate_model(cfg.model, training_ranks)
     _validate_deterministic_mode(cfg.model)
     _validate_train(cfg, training_ranks)
+    validate_elastic(cfg, training_ranks)  # after train: it reads the global batch the user set (not derived)
     _validate_optimizer(cfg)
     validate_schedule(cfg)
     if cfg.train.train_iters < 1:  # after the schedule, whose length check names the default decay's cause first
@@ -263,9 +265,9 @@ def check_world_divisible(m: ModelConfig, world_size: int) -> int:
     if world_size % (tp * pp):
         _fail(
             "model.tensor_model_parallel_size",
-            f"world size ({world_size}) is not divisible by total_model_size (tensor parallel {tp} x pipeline "
-            f"parallel {pp})",
-            "use sizes whose product divides the number of ranks",
+            f"world size ({world_size}){shrink_note(world_size)} is not divisible by total_model_size (tensor "
+            f"parallel {tp} x pipeline parallel {pp})",
+            "use sizes whose product divides the number of ranks (in an elastic job, at every node count of MIN:MAX)",
         )
     return world_size // (tp * pp)
 

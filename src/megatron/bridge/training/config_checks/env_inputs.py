@@ -21,6 +21,7 @@ ENV_INPUTS: tuple[tuple[str, str], ...] = (
     ("NCCL_NVLS_ENABLE", "in-process restart needs '0' (job script): NVLink SHARP off"),
     ("NCCL_ALGO", "model.deterministic_mode needs one of Tree, Ring, CollnetDirect, CollnetChain, ^NVLS (job script)"),
     ("MBRIDGE_FAULTS", "fault injection of launcher-driven runs (job script): checked like fault_injection.faults"),
+    ("MBRIDGE_NNODES", "elastic range MIN:MAX (our launchers): every node count of it is checked at start"),
 )
 """``(name, why validation reads it)`` for every environment variable the validation modules read."""
 
