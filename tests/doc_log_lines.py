@@ -162,7 +162,27 @@ _JOB_INFO = (  # the second start of a requeued Slurm job
     "resumed from: global tier, iteration …, …/iter_… (newest verified checkpoint in checkpoint.load)",
 )
 
+_FETCHED_FROM_REPLICAS = (
+    "loaded verified local checkpoint at iteration 8 from … (1 of 2 ranks' shards fetched from replicas)",
+    "loaded verified local checkpoint at iteration … from … (1 of 2 ranks' shards fetched from replicas)",
+    # The main job resumes from the local tier only when its async local save finished before the kill.
+    "loaded verified local checkpoint at iteration … from … (… of … ranks' shards fetched from replicas)",
+)
+"""A lost node's shard comes back from its replica (a spare's, or a later replacement's)."""
+
 CHECKS: dict[str, tuple[str, ...]] = {
+    # Elastic shrink: the local checkpoint of the larger world skipped, the smaller world's layout; a refused layout.
+    f"{_TRAINING}/test_shrink.py::test_shrink_goes_on_alone_from_the_global_checkpoint_with_the_same_global_batch": (
+        "local checkpoint at iteration … was saved under another parallel layout (world size 2, tensor parallel 1, "
+        "pipeline parallel 1; this run: world size 1, tensor parallel 1, pipeline parallel 1): the local tier cannot "
+        "reshard, so it is skipped and the global checkpoint is loaded instead",
+        "initialized gloo on cpu: world size 1, tensor parallel 1, pipeline parallel 1, data parallel 1 (global batch "
+        "8: 4 micro-batch(es) of 2 per data-parallel rank and step)",
+    ),
+    f"{_TRAINING}/test_shrink.py::test_shrink_refuses_a_checkpoint_of_another_tensor_parallel_size": (
+        "… was saved with the distributed optimizer under another model-parallel layout "
+        "(model.tensor_model_parallel_size 1 in the checkpoint, 2 now): …",
+    ),
     # The main job's drill (stdout, and the log of both runs): most lines come from here.
     f"{_MAIN_JOB}::test_the_log_lines_the_docs_quote_are_in_its_output": (
         # ft_launcher, its rank monitors and our fault tolerance
@@ -289,11 +309,13 @@ CHECKS: dict[str, tuple[str, ...]] = {
     f"{_TRAINING}/test_rerun_state_machine.py::test_report_determinism_stats_reruns_every_step_and_reports": (
         "determinism stats at iteration …, '…' (all ranks, since start): …",
     ),
-    f"{_TRAINING}/test_local_checkpointing.py::test_lost_node_is_recovered_from_its_replica_bit_identically": (
-        "loaded verified local checkpoint at iteration 8 from … (1 of 2 ranks' shards fetched from replicas)",
-        "loaded verified local checkpoint at iteration … from … (1 of 2 ranks' shards fetched from replicas)",
-        # The main job resumes from the local tier only when its async local save finished before the kill.
-        "loaded verified local checkpoint at iteration … from … (… of … ranks' shards fetched from replicas)",
+    f"{_TRAINING}/test_local_checkpointing.py::"
+    "test_spare_takes_the_lost_nodes_place_and_its_shard_from_the_replica_bit_identically": _FETCHED_FROM_REPLICAS,
+    f"{_TRAINING}/test_local_checkpointing.py::"
+    "test_lost_node_replaced_later_is_recovered_from_its_replica_with_async_saves": _FETCHED_FROM_REPLICAS,
+    f"{_TRAINING}/test_local_checkpointing.py::test_spare_with_another_config_is_refused_naming_the_difference": (
+        "1 of 2 ranks run other code or another config than the job's (rank … on … and the ranks like it); they are "
+        "refused:",
     ),
     f"{_TRAINING}/test_local_checkpointing.py::"
     "test_atomic_algorithm_saves_and_loads_and_an_older_local_checkpoint_yields_to_the_global_one": (

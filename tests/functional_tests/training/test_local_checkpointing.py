@@ -6,11 +6,9 @@ refuse two agents on one host otherwise). A node is lost by SIGKILLing its agent
 directory; a replacement agent joins the job, as a spare node would.
 """
 
-import os
+import dataclasses
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -20,81 +18,23 @@ from pathlib import Path
 import pytest
 from tests.doc_log_lines import assert_doc_log_lines
 from tests.functional_tests.harness import (
-    BASE,
-    ENTRY,
     KEEP_SCHEDULE,
-    REPO,
     Run,
     assert_same_state,
     checkpoint_state,
     free_port,
-    kill_processes_with_marker,
     tail,
     torchrun,
 )
+from tests.functional_tests.nodes import LOCAL, Job, agent, wait_for_files, wait_until_hosting
 
-from megatron.bridge.training.events.stream import Mechanism
+from megatron.bridge.drill import events
+from megatron.bridge.training.events.stream import CyclePhase, EventKind, Mechanism
+from megatron.bridge.training.exit_codes import ExitCode
 
 # Global saves at 3, 6, 9 (harness BASE); local saves every 2 iterations, so the local tier holds iteration 8 when the
 # drill strikes at the start of iteration 9, newer than the global checkpoint at 6.
-LOCAL = ["checkpoint.non_persistent_ckpt_type=local", "checkpoint.non_persistent_save_interval=2"]
 STRIKE = 9
-
-
-class Job:
-    """Training launched in the background by ``launcher``, its output in a file; killed as a whole."""
-
-    def __init__(self, launcher: list[str], ckpt: Path, overrides: list[str], out: Path, faults: str = "") -> None:
-        self.marker = uuid.uuid4().hex
-        self.out = out
-        cmd = [*launcher, str(ENTRY), f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}", *BASE, *LOCAL, *overrides]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MBRIDGE_TEST_RUN": self.marker}
-        # Two "nodes" on one host on purpose: from nvidia-resiliency-ext 0.6 the rendezvous closes the job when two
-        # launchers join from one host (a misconfiguration on a cluster), unless this says it is meant.
-        env["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"
-        env.pop("MBRIDGE_FAULTS", None)
-        if faults:
-            env["MBRIDGE_FAULTS"] = faults
-        self._file = open(out, "w")  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-
-    def output(self) -> str:
-        return self.out.read_text()
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.output():
-            assert self.proc.poll() is None, (
-                f"job exited ({self.proc.returncode}) before {text!r}:\n{self.output()[-3000:]}"
-            )
-            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output()[-3000:]}"
-            time.sleep(0.5)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return -999
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the launcher and every process it started (for an agent: the node is gone)."""
-        kill_processes_with_marker(self.marker)
-        self.proc.wait()
-        self._file.close()
-
-
-def _agent(
-    endpoint: str, run_id: str, ckpt: Path, local_dir: Path, out: Path, faults: str = "", extra: tuple = ()
-) -> Job:
-    """One "node": an ft_launcher agent with one training rank and its own node-local directory."""
-    launcher = [
-        sys.executable, "-m", "megatron.bridge.ft_launch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--max-restarts=3",
-    ]  # fmt: skip
-    overrides = [f"checkpoint.non_persistent_local_ckpt_dir={local_dir}", "checkpoint.replication=true", *extra]
-    return Job(launcher, ckpt, overrides, out, faults)
 
 
 @pytest.fixture(scope="module")
@@ -103,70 +43,70 @@ def two_node_reference(tmp_path_factory) -> tuple[Run, Path]:
     within one, so a one-node run is not a bit-exact reference)."""
     root = tmp_path_factory.mktemp("two_node_reference")
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    a = _agent(endpoint, run_id, root / "ckpt", root / "node_a", root / "a.log")
-    _wait_until_hosting(a, endpoint)
-    b = _agent(endpoint, run_id, root / "ckpt", root / "node_b", root / "b.log")
+    a = agent(endpoint, run_id, root / "ckpt", root / "node_a", root / "a.log")
+    wait_until_hosting(a, endpoint)
+    b = agent(endpoint, run_id, root / "ckpt", root / "node_b", root / "b.log")
     codes = [a.wait(timeout=300), b.wait(timeout=60)]
     output = a.output() + b.output()
     assert codes == [0, 0], output[-6000:]
     return Run(0, output, root / "ckpt" / "events"), root / "ckpt"
 
 
-def _wait_until_hosting(agent: Job, endpoint: str, timeout: float = 120) -> None:
-    """Wait until ``agent`` listens on the rendezvous ``endpoint`` (it hosts the store), not for a fixed time."""
-    host, port = endpoint.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        assert agent.proc.poll() is None, f"agent exited ({agent.proc.returncode}):\n{agent.output()[-3000:]}"
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline, f"no rendezvous store on {endpoint} within {timeout} s"
-            time.sleep(0.2)
-
-
-def _wait_for_files(pattern: str, roots: list[Path], count: int, timeout: float = 60) -> None:
-    """Wait until each of ``roots`` holds ``count`` files matching ``pattern`` (background writers finishing)."""
-    deadline = time.monotonic() + timeout
-    while any(len(list(root.glob(pattern))) < count for root in roots):
-        assert time.monotonic() < deadline, [sorted(root.rglob("*")) for root in roots]
-        time.sleep(0.2)
-
-
-def _lose_a_node(tmp_path: Path, damage_replica: bool, extra: tuple = ()) -> tuple[Run, Path]:
-    """Run on two nodes, lose node B after the local save at 8, optionally damage its replica, replace node B."""
+def _lose_a_node(
+    tmp_path: Path,
+    damage_replica: bool,
+    extra: tuple = (),
+    spare: bool = False,
+    spare_extra: tuple = (),
+    codes: tuple = (0, 0),
+) -> tuple[Run, Path, float]:
+    """Run on two nodes, lose node B after the local save at 8 (optionally damaging its replica): a hot spare started
+    with A and B (with ``spare_extra`` overrides) takes its place, or else a replacement node joins after the loss.
+    Returns the run, its checkpoint directory and the time node B was lost; node A and the spare or replacement
+    must exit with ``codes``."""
     ckpt, node_a, node_b = tmp_path / "ckpt", tmp_path / "node_a", tmp_path / "node_b"
     endpoint, run_id, started = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], time.time()
-    a = _agent(endpoint, run_id, ckpt, node_a, tmp_path / "a.log", extra=extra)
-    agents = [a]
+    # The launchers' restarts, phase by phase, beside the ranks' events.
+    launcher_events = (f"--event-dir={ckpt / 'events'}",)
+
+    def node(local_dir: Path, log: str, faults: str = "", more: tuple = ()) -> Job:
+        job = agent(
+            endpoint, run_id, ckpt, local_dir, tmp_path / log, faults, (*extra, *more), launcher_args=launcher_events
+        )
+        agents.append(job)
+        return job
+
+    agents: list[Job] = []
     try:
-        _wait_until_hosting(a, endpoint)  # node A hosts the rendezvous store: it must outlive node B
-        stall = f"stall@{STRIKE}:0,stall@{STRIKE}:1"
-        b = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b.log", faults=stall, extra=extra)
-        agents.append(b)
+        a = node(node_a, "a.log")
+        wait_until_hosting(a, endpoint)  # node A hosts the rendezvous store: it must outlive node B
+        b = node(node_b, "b.log", faults=f"stall@{STRIKE}:0,stall@{STRIKE}:1")
+        if spare:  # a third node for a job of two (--nnodes=2:2), once B is in: the rendezvous keeps it waiting
+            b.wait_for("initialized gloo", timeout=240)
+            node(tmp_path / "node_c", "c.log", more=spare_extra)
         b.wait_for("fault injection: stall", timeout=240)
         # Each node holds its own shard of 8 and its peer's replica (async: once the background writers finish).
-        _wait_for_files("local_ckpt/*/*/*/iter_0000008_*_local.pt", [node_a, node_b], count=2)
+        wait_for_files("local_ckpt/*/*/*/iter_0000008_*_local.pt", [node_a, node_b], count=2)
         # The global tier is older than 8. Its save at 6 is committed; an async one only if a step's non-blocking
         # finalization saw its write done before the stall at 9.
         committed = sorted(int(p.name[len("iter_") :]) for p in ckpt.glob("iter_*"))
         assert committed and committed[-1] < 8, committed
         assert 6 in committed or "checkpoint.async_save=true" in extra, committed
+        lost_at = time.time()
         b.kill()
         shutil.rmtree(node_b)
         assert not any(node_b.parent.glob("node_b/**/*.pt"))
         if damage_replica:
             _flip_a_byte_in_the_replica_of_node_b(node_a, b.output())
-        replacement = _agent(endpoint, run_id, ckpt, node_b, tmp_path / "b2.log", extra=extra)
-        agents.append(replacement)
-        codes = [a.wait(timeout=300), replacement.wait(timeout=60)]
+        if not spare:
+            node(node_b, "b2.log")
+        ended = (a.wait(timeout=300), agents[-1].wait(timeout=60))
     finally:
-        for agent in agents:
-            agent.kill()
-    output = "".join(agent.output() for agent in agents)
-    assert codes == [0, 0], output[-6000:]
-    return Run(0, output, ckpt / "events", started), ckpt
+        for job in agents:
+            job.kill()
+    output = "".join(job.output() for job in agents)
+    assert ended == codes, output[-6000:]
+    return Run(0, output, ckpt / "events", started), ckpt, lost_at
 
 
 def _rank_of(output: str) -> int:
@@ -190,24 +130,72 @@ def _flip_a_byte_in_the_replica_of_node_b(node_a: Path, node_b_output: str) -> P
     return replica
 
 
-@pytest.mark.parametrize("saves", ["sync", "async"])
-def test_lost_node_is_recovered_from_its_replica_bit_identically(two_node_reference, tmp_path, saves):
-    reference, reference_ckpt = two_node_reference
-    run, ckpt = _lose_a_node(tmp_path, damage_replica=False, extra=("checkpoint.async_save=true",) * (saves == "async"))
-    if saves == "async":
-        assert "Scheduling async local checkpoint at iteration 8" in run.output, tail(run)
+def _assert_recovered_from_the_replica(run: Run, ckpt: Path, reference: tuple[Run, Path]) -> None:
+    """Both ranks resumed from the local tier at 8, one shard fetched from its replica; the end is bit-identical."""
+    reference_run, reference_ckpt = reference
     assert run.loads(0)[-1] == run.loads(1)[-1] == ("local", 8), run.loads(0)
     assert "(1 of 2 ranks' shards fetched from replicas)" in run.output  # the line an operator reads
     assert_doc_log_lines(run.output)
     assert not run.detected(Mechanism.LOCAL_CHECKPOINT_HASH)
     resumed = {i: loss for i, loss in run.losses().items() if i > 8}
-    assert resumed == {i: reference.losses()[i] for i in range(9, 13)}
+    assert resumed == {i: reference_run.losses()[i] for i in range(9, 13)}
     assert_same_state(checkpoint_state(ckpt / "iter_0000012"), checkpoint_state(reference_ckpt / "iter_0000012"))
+
+
+@pytest.mark.timeout(300)
+def test_spare_takes_the_lost_nodes_place_and_its_shard_from_the_replica_bit_identically(two_node_reference, tmp_path):
+    run, ckpt, lost_at = _lose_a_node(tmp_path, damage_replica=False, spare=True)
+    _assert_recovered_from_the_replica(run, ckpt, two_node_reference)
+    timeline = events.read_run(ckpt / "events")
+    assert not timeline.problems, timeline.problems
+    # The spare waited: its launcher started with A's and B's, but no rank of it set up before node B was lost.
+    starts = sorted(
+        (e.time, e.restart_count)
+        for e in timeline.events
+        if e.kind == EventKind.PHASE and e.cycle_phase == CyclePhase.PROCESS_START and e.rank == 1
+    )
+    assert [t < lost_at for t, _ in starts] == [True, False], (starts, lost_at)
+    assert (tmp_path / "c.log").read_text().count("training stopped at iteration 12") == 1, tail(run)
+    # Node loss to the first step after it, phase by phase: the survivor's in-job restart that took the spare in.
+    (cycle,) = [c for c in events.cycles(timeline) if c.detected >= lost_at]
+    cycle = dataclasses.replace(cycle, struck=lost_at)
+    phases = cycle.phases()
+    missing = [name for name, seconds in phases.items() if seconds is None]
+    assert not missing, (missing, phases)
+    assert all(seconds >= 0 for seconds in phases.values()), phases
+    assert abs(cycle.unaccounted_s) <= 0.05, (cycle.unaccounted_s, phases)
+    total = cycle.detected - lost_at + cycle.seconds
+    print(f"node loss to first step {total:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+
+
+@pytest.mark.timeout(300)
+def test_spare_with_another_config_is_refused_naming_the_difference(tmp_path):
+    mismatch = int(ExitCode.NODE_MISMATCH)
+    run, ckpt, lost_at = _lose_a_node(
+        tmp_path, damage_replica=False, spare=True, spare_extra=("optimizer.lr=0.0123",), codes=(mismatch, mismatch)
+    )
+    # Every rank of the new world says which rank, on which host, differs from the job, and in what.
+    lines = [line for line in run.output.splitlines() if "optimizer.lr=0.0123 (the job: " in line]
+    named = [re.search(r"rank [01] on \S+: optimizer.lr=0.0123", line) for line in lines]
+    assert len(lines) == 2 and all(named), tail(run)
+    assert_doc_log_lines(run.output)
+    # Refused at set-up, before a step: nothing trained or saved after the loss, the newest checkpoint is 6's.
+    timeline = events.read_run(ckpt / "events")
+    steps_after = [e for e in timeline.events if e.kind == EventKind.STEP_COMPLETED and e.time > lost_at]
+    assert not steps_after, steps_after
+    assert sorted(p.name for p in ckpt.glob("iter_*"))[-1] == "iter_0000006"
+
+
+@pytest.mark.timeout(300)
+def test_lost_node_replaced_later_is_recovered_from_its_replica_with_async_saves(two_node_reference, tmp_path):
+    run, ckpt, _ = _lose_a_node(tmp_path, damage_replica=False, extra=("checkpoint.async_save=true",))
+    assert "Scheduling async local checkpoint at iteration 8" in run.output, tail(run)
+    _assert_recovered_from_the_replica(run, ckpt, two_node_reference)
 
 
 def test_damaged_replica_is_detected_and_the_global_checkpoint_is_loaded(two_node_reference, tmp_path):
     reference, reference_ckpt = two_node_reference
-    run, ckpt = _lose_a_node(tmp_path, damage_replica=True)
+    run, ckpt, _ = _lose_a_node(tmp_path, damage_replica=True)
     failed = run.detected(Mechanism.LOCAL_CHECKPOINT_HASH)
     assert failed and failed[0].iteration == 8, tail(run)
     assert "_local.pt" in failed[0].detail and "content differs" in failed[0].detail, failed[0]

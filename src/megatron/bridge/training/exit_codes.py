@@ -97,6 +97,12 @@ class ExitCode(enum.IntEnum):
     the first time on those ranks: nothing of the corrupt state was saved. Action: restart the job (in-job restart):
     it loads the newest checkpoint, whose weights were checked when it was saved."""
 
+    NODE_MISMATCH = 32
+    """Ranks of the job run other code or another config than the others (a spare or replacement node started from
+    another build or command line): at set-up, before anything was loaded or trained, the log names each such rank,
+    its host and every difference (``training/health/same_job.py``). Action: stop; start that node with the job's
+    code and command line, then requeue (it resumes from the newest checkpoint)."""
+
 
 STOP_CODES = frozenset(
     {
@@ -108,6 +114,7 @@ STOP_CODES = frozenset(
         ExitCode.STORAGE_UNAVAILABLE,
         ExitCode.NO_PROGRESS,
         ExitCode.WEIGHTS_DIVERGED,
+        ExitCode.NODE_MISMATCH,
     }
 )
 """The codes whose action is *stop*: restarting the job cannot help."""

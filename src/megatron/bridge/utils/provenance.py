@@ -89,7 +89,8 @@ def _gpu() -> str:
         return f"unknown ({type(exc).__name__})"
 
 
-def _version(package: str) -> str:
+def package_version(package: str) -> str:
+    """The installed version of ``package`` (``not installed``)."""
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -118,6 +119,6 @@ def collect(repo: Optional[Path] = None) -> Provenance:
         gpu=_gpu(),
         os=platform.platform(),
         python=platform.python_version(),
-        packages={package: _version(package) for package in PACKAGES},
+        packages={package: package_version(package) for package in PACKAGES},
         commit=git_commit(repo),
     )
