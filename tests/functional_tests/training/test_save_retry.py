@@ -6,7 +6,7 @@ finalize), or fails rank 0's rename of the commit. A transient error (the first 
 the retries: the run finishes with the state of an uninterrupted run, bit for bit. A persistent one must stop the
 run with ``STORAGE_UNAVAILABLE`` (27) once the budget is spent, leaving the newest committed checkpoint loadable and
 nothing half-written where a loader looks. An async save is retried the same way inside its background writer (the
-``io-error`` strikes there), while training goes on.
+``io-error`` strikes there), while training goes on; a failed commit of its written files is tried again alone.
 """
 
 import json
@@ -79,18 +79,24 @@ ASYNC = "checkpoint.async_save=true"
 @pytest.mark.timeout(240)
 def test_save_retry_async_writer_survives_a_transient_write_error_bit_exactly(reference_tp1, tmp_path):
     ckpt = tmp_path / "ckpt"
-    run = torchrun(ckpt, ASYNC, FAST_BACKOFF, env={"MBRIDGE_FAULTS": "io-error@6:1:write:x2"})
+    faults = "io-error@6:1:write:x2,io-error@9:0:rename:x2"  # and at 9, the commit's rename fails twice
+    run = torchrun(ckpt, ASYNC, FAST_BACKOFF, env={"MBRIDGE_FAULTS": faults})
     assert run.exit_code == 0, tail(run)
     # Rank 1's background writer failed twice and wrote again; the finalize reported both attempts on every rank.
+    # At 9 the files were written and kept: the finalize tried the commit again, twice, on every rank together.
     for rank in (0, 1):
         failed = [e for e in run.events(EventKind.SAVE_ATTEMPT_FAILED) if e.rank == rank]
         assert [(e.iteration, e.save_attempt, e.retrying, e.seconds) for e in failed] == [
             (6, 1, True, 0.1),
             (6, 2, True, 0.2),
+            (9, 1, True, 0.1),
+            (9, 2, True, 0.2),
         ], failed
-        assert all(e.exit_code == 27 and "injected io-error at write" in e.detail for e in failed)
-    struck = run.events(EventKind.FAULT_INJECTED)
-    assert [(e.fault_kind, e.rank, e.phase) for e in struck] == [("io-error", 1, "write")]  # armed once, in the writer
+        assert all(e.exit_code == 27 and "injected io-error at write" in e.detail for e in failed[:2])
+        assert all(e.exit_code == 27 and "injected io-error at rename" in e.detail for e in failed[2:]), failed
+    struck = {(e.fault_kind, e.rank, e.phase) for e in run.events(EventKind.FAULT_INJECTED)}
+    assert struck == {("io-error", 1, "write"), ("io-error", 0, "rename")}, struck
+    assert "only the commit is tried again" in run.output
     assert "rank 1: attempt 1 of the background write into" in run.output  # the writer's own retry line
     assert "2 attempt(s) of the background write of the global checkpoint of iteration 6 failed" in run.output
     assert not run.detected(Mechanism.STORAGE_UNAVAILABLE)

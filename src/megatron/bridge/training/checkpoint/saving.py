@@ -213,28 +213,34 @@ class SavePath:
                 request.execute_sync()
         return request
 
-    def _retried(self, err: BaseException, iteration: int, tmp: str, number: int, since: float) -> bool:
-        """Whether attempt ``number`` of a synchronous save that raised ``err`` is tried again (all ranks agree).
+    def _retried(self, err: BaseException, iteration: int, tmp: Optional[str], number: int, since: float) -> bool:
+        """Whether attempt ``number`` of a save that raised ``err`` is tried again (all ranks agree).
 
-        Only a failure every rank raised (``storage_guard``'s collective ones) of an unavailable file system is
-        retried, while ``checkpoint.save_retries`` allows. Then the attempt's temporary directory is removed, the
-        failure recorded (event, goodput's ``save_retry``) and every rank waits the backoff before the next attempt.
+        A synchronous save is tried again whole; an async save's commit alone (``tmp`` ``None``: its files are
+        written and kept). Only a failure every rank raised (``storage_guard``'s collective ones) of an unavailable
+        file system is retried, while ``checkpoint.save_retries`` allows. Then the attempt's temporary directory is
+        removed (a synchronous save writes it again), the failure recorded (event, goodput's ``save_retry``) and every
+        rank waits the backoff before the next attempt.
         """
         if number > self.cfg.save_retries or not raised_by_every_rank(err):
             return False
         fault = save_retry.retry_fault(all_gather_object(storage.classify(err)))
         if fault is None:
             return False
-        on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), "removing the failed save attempt")
+        if tmp is not None:
+            on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), "removing the failed save attempt")
         wait = save_retry.wait_before(number, self.cfg.save_retry_backoff)
         logger.warning(
             "checkpoint.save=%s: attempt %d of the global checkpoint of iteration %d failed (%s, seen by rank %s); "
-            "its partial files were removed; retry %d of checkpoint.save_retries (%d) in %g s",
+            "%s; retry %d of checkpoint.save_retries (%d) in %g s",
             self.cfg.save,
             number,
             iteration,
             fault.text,
             fault.rank,
+            "its partial files were removed"
+            if tmp is not None
+            else "its files are written and kept: only the commit is tried again",
             number,
             self.cfg.save_retries,
             wait,
@@ -329,7 +335,17 @@ class SavePath:
                 root, self.cfg.most_recent_k, protect={iteration}, retain_interval=self.cfg.save_retain_interval
             )
 
-        on_rank0(publish, "the checkpoint commit")
+        number = 0
+        while True:
+            number += 1
+            since = time.perf_counter()
+            try:
+                on_rank0(publish, "the checkpoint commit")
+                break
+            except StorageGuard.SAVE_ERRORS as err:
+                # An async save's files are written: only its commit is tried again (a sync save retries whole).
+                if self._in_finalize() is None or not self._retried(err, iteration, None, number, since):
+                    raise
         self.last_saved_iteration = iteration
         self.storage.sizes[GLOBAL] = sum(entry.size for entry in entries.values())
         self.last_finalize_seconds = time.perf_counter() - start
