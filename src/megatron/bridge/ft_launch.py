@@ -269,28 +269,27 @@ def _keep_alive(parsed: Any) -> Optional[str]:
     return None
 
 
+def _refuse(why: str, code: ExitCode, event_dir: Optional[str]) -> int:
+    """Say ``why`` the launch stops before anything started (and write it as the launcher's ``exit`` event)."""
+    print(why, file=sys.stderr)
+    if event_dir:
+        EventWriter(event_dir, launcher_file(), Process.LAUNCHER).emit(EventKind.EXIT, exit_code=int(code), detail=why)
+    return int(code)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run ``ft_launcher`` with ``argv`` (default: this process's arguments); return its exit code."""
     import torch  # noqa: F401 - before the standby forks: its workers need it; ft_launcher's logging they do not
 
     event_dir, argv = take_event_dir(sys.argv[1:] if argv is None else argv)
     parsed = rendezvous_port.parse_ft_launcher_args([a for a in argv if a != standby.OPT_OUT])
-    if parsed is not None:
-        refused = _elastic_range(parsed, argv) or _keep_alive(parsed)
-        if refused is not None:
-            print(refused, file=sys.stderr)
-            if event_dir:
-                writer = EventWriter(event_dir, launcher_file(), Process.LAUNCHER)
-                writer.emit(EventKind.EXIT, exit_code=int(ExitCode.CONFIG_ERROR), detail=refused)
-            return int(ExitCode.CONFIG_ERROR)
+    refused = (_elastic_range(parsed, argv) or _keep_alive(parsed)) if parsed is not None else None
+    if refused is not None:
+        return _refuse(refused, ExitCode.CONFIG_ERROR, event_dir)
     store = rendezvous_port.hosted_store(parsed) if parsed is not None else None
     taken = rendezvous_port.port_taken(store, rendezvous_port.FT_LAUNCHER)  # before the standby starts importing
     if taken is not None:
-        print(taken, file=sys.stderr)
-        if event_dir:
-            writer = EventWriter(event_dir, launcher_file(), Process.LAUNCHER)
-            writer.emit(EventKind.EXIT, exit_code=int(ExitCode.LAUNCH_FAILED), detail=taken)
-        return int(ExitCode.LAUNCH_FAILED)
+        return _refuse(taken, ExitCode.LAUNCH_FAILED, event_dir)
     argv = standby.install("ft_launcher", argv)
     from nvidia_resiliency_ext.fault_tolerance import launcher as ft_launcher
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main

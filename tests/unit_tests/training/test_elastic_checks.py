@@ -4,6 +4,7 @@ import logging
 
 import pytest
 from tests.unit_tests.configs import base_config
+from tests.unit_tests.training import test_config
 
 from megatron.bridge.training.checkpoint.contents import layout_refusal
 from megatron.bridge.training.config import ConfigContainer
@@ -12,14 +13,7 @@ from megatron.bridge.utils.elastic import NNODES_ENV
 
 pytestmark = pytest.mark.timeout(60)
 
-LOCAL_TIER = [
-    "checkpoint.save=/tmp/g",
-    "checkpoint.load=/tmp/g",
-    "checkpoint.non_persistent_ckpt_type=local",
-    "checkpoint.non_persistent_local_ckpt_dir=/tmp/l",
-    "checkpoint.non_persistent_save_interval=5",
-    "checkpoint.replication=true",
-]
+LOCAL_TIER = [*test_config.LOCAL_TIER, "checkpoint.replication=true"]
 
 
 @pytest.fixture
