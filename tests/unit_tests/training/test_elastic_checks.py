@@ -122,15 +122,15 @@ def test_what_megatron_core_reshards_is_not_refused(saved, current):
 
 
 def test_a_local_shard_tells_the_layout_it_was_saved_under():
-    from megatron.bridge.training.checkpoint import local_tier
+    from megatron.bridge.training.checkpoint import shard_hashes
 
     class Shard:
         pass
 
     shard = Shard()
-    assert local_tier.saved_layout(shard) is None  # not written by this package
+    assert shard_hashes.saved_layout(shard) is None  # not written by this package
     layout = "world size 2, tensor parallel 1, pipeline parallel 1"
-    setattr(shard, local_tier.HASHES_ATTR, {local_tier._OWNER: local_tier.owner_tag(1, 8, layout)})
-    assert local_tier.saved_layout(shard) == layout
-    setattr(shard, local_tier.HASHES_ATTR, {local_tier._OWNER: local_tier.owner_tag(1, 8)})
-    assert local_tier.saved_layout(shard) == ""  # saved before layouts were recorded: not skipped for it
+    setattr(shard, shard_hashes.HASHES_ATTR, {shard_hashes.OWNER: shard_hashes.owner_tag(1, 8, layout)})
+    assert shard_hashes.saved_layout(shard) == layout
+    setattr(shard, shard_hashes.HASHES_ATTR, {shard_hashes.OWNER: shard_hashes.owner_tag(1, 8)})
+    assert shard_hashes.saved_layout(shard) == ""  # saved before layouts were recorded: not skipped for it

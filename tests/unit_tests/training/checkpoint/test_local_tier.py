@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from megatron.bridge.training.checkpoint import local_tier
+from megatron.bridge.training.checkpoint import local_tier, shard_hashes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,8 +32,8 @@ def _tasd():
         "opt": {"lr": 1e-3, "style": "cosine", "again": "cosine", "betas": (0.9, 0.95)},
     }
     tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sharded, algo="atomic")
-    hashes = {**local_tier.content_hashes(tasd), local_tier._OWNER: local_tier.owner_tag(0, 8)}
-    setattr(tasd, local_tier.HASHES_ATTR, hashes)
+    hashes = {**shard_hashes.content_hashes(tasd), shard_hashes.OWNER: shard_hashes.owner_tag(0, 8)}
+    setattr(tasd, shard_hashes.HASHES_ATTR, hashes)
     return tasd
 
 
@@ -46,33 +46,33 @@ def _round_trip(obj):
 
 def test_a_saved_shard_verifies_after_a_save_and_load():
     tasd = _tasd()
-    names = set(getattr(tasd, local_tier.HASHES_ATTR))
+    names = set(getattr(tasd, shard_hashes.HASHES_ATTR))
     assert {"tensor weight[0,0]", "object extra/shard_0_1", "<common>"} <= names, names
-    assert local_tier.verify_content(_round_trip(tasd)) == []
+    assert shard_hashes.verify_content(_round_trip(tasd)) == []
 
 
 def test_a_flipped_bit_in_a_tensor_is_named():
     tasd = _round_trip(_tasd())
     weight = next(sh for sh in tasd.sharded_state_dict.values() if getattr(sh, "key", "") == "weight")
     weight.data.view(torch.int32)[1, 2] ^= 1
-    assert local_tier.verify_content(tasd) == ["tensor weight[0,0]: content differs from what its owner saved"]
+    assert shard_hashes.verify_content(tasd) == ["tensor weight[0,0]: content differs from what its owner saved"]
 
 
 def test_changed_common_state_and_missing_hashes_are_problems():
     tasd = _round_trip(_tasd())
     tasd.common["train_state"]["iteration"] = 9
-    assert local_tier.verify_content(tasd) == ["<common>: content differs from what its owner saved"]
-    delattr(tasd, local_tier.HASHES_ATTR)
-    assert local_tier.verify_content(tasd) == ["carries no content hashes (not written by this version)"]
+    assert shard_hashes.verify_content(tasd) == ["<common>: content differs from what its owner saved"]
+    delattr(tasd, shard_hashes.HASHES_ATTR)
+    assert shard_hashes.verify_content(tasd) == ["carries no content hashes (not written by this version)"]
 
 
 def test_value_digest_is_stable_across_pickling_shared_references():
     shared = "cosine"
     value = {"a": shared, "b": shared, "t": torch.ones(3), "n": None, "f": 0.1}
     again = pickle.loads(pickle.dumps(value))
-    assert local_tier._value_digest(again) == local_tier._value_digest(value)
+    assert shard_hashes.value_digest(again) == shard_hashes.value_digest(value)
     again["f"] = 0.1000001
-    assert local_tier._value_digest(again) != local_tier._value_digest(value)
+    assert shard_hashes.value_digest(again) != shard_hashes.value_digest(value)
 
 
 def test_session_names_jobs_apart_and_node_root_is_per_host():
@@ -116,17 +116,17 @@ def test_cleanup_keeps_the_newest_and_a_failed_save_removes_only_its_iteration(t
 
 def test_a_shard_of_another_rank_or_iteration_is_refused():
     tasd = _round_trip(_tasd())
-    assert local_tier.verify_content(tasd, local_tier.owner_tag(0, 8)) == []
-    assert local_tier.verify_content(tasd, local_tier.owner_tag(1, 8)) == [
+    assert shard_hashes.verify_content(tasd, shard_hashes.owner_tag(0, 8)) == []
+    assert shard_hashes.verify_content(tasd, shard_hashes.owner_tag(1, 8)) == [
         "holds the state of rank 0, iteration 8, not of rank 1, iteration 8"
     ]
 
 
 def test_a_shard_saved_under_another_parallel_layout_is_refused():
     tasd = _tasd()
-    hashes = getattr(tasd, local_tier.HASHES_ATTR)
-    hashes[local_tier._OWNER] = local_tier.owner_tag(0, 8, "world size 2, tensor parallel 1")
-    assert local_tier.verify_content(tasd, local_tier.owner_tag(0, 8, "world size 2, tensor parallel 2")) == [
+    hashes = getattr(tasd, shard_hashes.HASHES_ATTR)
+    hashes[shard_hashes.OWNER] = shard_hashes.owner_tag(0, 8, "world size 2, tensor parallel 1")
+    assert shard_hashes.verify_content(tasd, shard_hashes.owner_tag(0, 8, "world size 2, tensor parallel 2")) == [
         "holds the state of rank 0, iteration 8, world size 2, tensor parallel 1, "
         "not of rank 0, iteration 8, world size 2, tensor parallel 2"
     ]

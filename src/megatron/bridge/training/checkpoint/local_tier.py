@@ -14,31 +14,28 @@ checkpoints. A node scans every rank directory under its session: after a restar
 the files a node holds are still found (upstream looks only in the current rank's directory).
 
 What upstream lacks and this module adds: the owner of each shard hashes its content (every tensor, every object)
-before the shard leaves it, and the hashes travel inside the shard. On load, every rank verifies each shard it reads
-from disk *before* sending it to a peer, and each rank verifies the shard it ends up with again after the exchange.
-If any rank finds a problem, all ranks agree to discard this local checkpoint (its files are deleted) and the caller
-loads the global one; the log names the bad shard and where it was read, and every rank writes a ``fault_detected``
-event (mechanism ``local_checkpoint_hash``, ``events/stream.py``).
+before the shard leaves it, and the hashes travel inside the shard (``shard_hashes.py``). On load, every rank
+verifies each shard it reads from disk *before* sending it to a peer, and each rank verifies the shard it ends up
+with again after the exchange. If any rank finds a problem, all ranks agree to discard this local checkpoint (its
+files are deleted) and the caller loads the global one; the log names the bad shard and where it was read, and every
+rank writes a ``fault_detected`` event (mechanism ``local_checkpoint_hash``, ``events/stream.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
-import pickle
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.checkpoint import snapshot_writer, storage
+from megatron.bridge.training.checkpoint import shard_hashes, snapshot_writer, storage
 from megatron.bridge.training.events import stream as event_stream
 from megatron.bridge.training.events.stream import EventKind, Mechanism
 from megatron.bridge.training.faults import injection as fault_injection
@@ -52,12 +49,6 @@ logger = logging.getLogger(__name__)
 
 _MANAGER = "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager:LocalCheckpointManager"
 
-HASHES_ATTR = "mbridge_content_hashes"
-"""Attribute of a saved ``MCoreTensorAwareStateDict`` holding its owner's content hashes (pickled with it)."""
-
-_COMMON = "<common>"
-_OWNER = "<owner>"
-
 
 def node_root(local_dir: str) -> str:
     """The directory of this node for local checkpoints under ``checkpoint.non_persistent_local_ckpt_dir``."""
@@ -68,120 +59,6 @@ def session_id(save_dir: Optional[str]) -> str:
     """A name for the job's local checkpoints: a digest of the global save directory's absolute path."""
     key = os.path.abspath(save_dir) if save_dir else "no-global-save-dir"
     return "session_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-# ---------------------------------------------------------------------------------------------------- content hashes
-
-
-def _tensor_digest(tensor: torch.Tensor) -> str:
-    data = tensor.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-    flat = data.contiguous().reshape(-1)
-    if flat.numel():
-        digest.update(flat.view(torch.uint8).numpy())  # hashlib releases the GIL: threads hash in parallel
-    return digest.hexdigest()
-
-
-def _sharded_items(tasd: Any) -> list[tuple[str, Any]]:
-    """``(name, ShardedTensor or ShardedObject)`` of every item of ``tasd`` that carries data."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    items = []
-    for sh in nested_values(tasd.sharded_state_dict):
-        if isinstance(sh, ShardedTensor) and sh.data is not None:
-            offsets = ",".join(map(str, sh.global_offset))
-            items.append((f"tensor {sh.key}[{offsets}]{'' if sh.flattened_range is None else sh.flattened_range}", sh))
-        elif isinstance(sh, ShardedObject) and sh.data is not None:
-            items.append((f"object {sh.unique_key}", sh))
-    return items
-
-
-def _value_digest(value: Any) -> str:
-    """A digest of plain state (dicts, lists, numbers, strings, tensors) that survives a pickle round trip.
-
-    Pickling the whole structure is not stable: equal values shared by reference before saving are separate objects
-    after loading, and pickle encodes the two cases differently.
-    """
-    digest = hashlib.sha256()
-
-    def feed(obj: Any) -> None:
-        if isinstance(obj, dict):
-            digest.update(b"{")
-            for key, item in obj.items():
-                feed(key)
-                feed(item)
-            digest.update(b"}")
-        elif isinstance(obj, (list, tuple)):
-            digest.update(f"{type(obj).__name__}[".encode())
-            for item in obj:
-                feed(item)
-            digest.update(b"]")
-        elif isinstance(obj, torch.Tensor):
-            digest.update(_tensor_digest(obj).encode())
-        elif isinstance(obj, io.BytesIO):
-            digest.update(obj.getvalue())
-        elif obj is None or isinstance(obj, (str, int, float, bool, bytes)):
-            digest.update(repr(obj).encode())
-        else:
-            digest.update(pickle.dumps(obj, protocol=4))
-        digest.update(b",")
-
-    feed(value)
-    return digest.hexdigest()
-
-
-def content_hashes(tasd: Any) -> dict[str, str]:
-    """SHA-256 of every tensor and object of ``tasd`` and of its common part, by name."""
-    items = _sharded_items(tasd)
-    tensors = [(name, sh.data) for name, sh in items if isinstance(sh.data, torch.Tensor)]
-    hashes = {name: _value_digest(sh.data) for name, sh in items if not isinstance(sh.data, torch.Tensor)}
-    hashes[_COMMON] = _value_digest(tasd.common)
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
-        hashes.update(zip([n for n, _ in tensors], pool.map(_tensor_digest, [t for _, t in tensors])))
-    return hashes
-
-
-def owner_tag(rank: int, iteration: int, layout: str = "") -> str:
-    """What the hash table records about a shard: whose state, of which iteration, under which parallel layout."""
-    return f"rank {rank}, iteration {iteration}" + (f", {layout}" if layout else "")
-
-
-def saved_layout(tasd: Any) -> Optional[str]:
-    """The parallel layout a shard was saved under, from its owner's tag (``None``: no tag; ``""``: none recorded)."""
-    hashes = getattr(tasd, HASHES_ATTR, None)
-    tag = hashes.get(_OWNER) if isinstance(hashes, dict) else None
-    if not isinstance(tag, str):
-        return None
-    parts = tag.split(", ", 2)  # "rank R", "iteration I", the layout
-    return parts[2] if len(parts) == 3 else ""
-
-
-def verify_content(tasd: Any, owner: Optional[str] = None) -> list[str]:
-    """Problems of ``tasd`` against the hashes its owner stored in it (empty when it is intact).
-
-    Args:
-        tasd: a loaded or received shard.
-        owner: :func:`owner_tag` of the shard that was asked for; a shard of another rank or iteration is a problem.
-    """
-    expected = getattr(tasd, HASHES_ATTR, None)
-    if not isinstance(expected, dict):
-        return ["carries no content hashes (not written by this version)"]
-    problems = []
-    if owner is not None and expected.get(_OWNER) != owner:
-        problems.append(f"holds the state of {expected.get(_OWNER)}, not of {owner}")
-    expected = {name: digest for name, digest in expected.items() if name != _OWNER}
-    actual = content_hashes(tasd)
-    problems += [
-        f"{name}: content differs from what its owner saved"
-        for name in actual
-        if name in expected and actual[name] != expected[name]
-    ]
-    problems += [f"{name}: missing" for name in expected if name not in actual]
-    problems += [f"{name}: not in the owner's hash table" for name in actual if name not in expected]
-    return problems
 
 
 # ---------------------------------------------------------------------------------------------------- the manager
@@ -279,12 +156,12 @@ def _prepare_tensors(tasd: Any, replicating: bool) -> None:
     changes it, and an async save's writer gets a copy: ``snapshot_writer.py``, or a fork's memory as it was); the
     ``orig_device`` attribute that megatron-core's ``copy_tensors_to_cpu`` uses for staged tensors marks it so.
     """
-    for _, sh in _sharded_items(tasd):
+    for _, sh in shard_hashes.sharded_items(tasd):
         if isinstance(sh.data, torch.Tensor) and sh.data.device.type == "cpu":
             sh.orig_device = "cpu"
     nccl = dist.is_initialized() and "nccl" in str(dist.get_backend())  # may read "cpu:gloo,cuda:nccl"
     if nccl and replicating:
-        for _, sh in _sharded_items(tasd):
+        for _, sh in shard_hashes.sharded_items(tasd):
             if getattr(sh, "orig_device", None) == "cpu":
                 sh.data = sh.data.to(torch.cuda.current_device())
                 del sh.orig_device
@@ -300,7 +177,7 @@ def _poison_for_drills(tasd: Any, rank: int, iteration: int) -> None:
     """
     if not fault_injection.poisons_local_save(rank, iteration):
         return
-    for name, sh in _sharded_items(tasd):
+    for name, sh in shard_hashes.sharded_items(tasd):
         is_weight = isinstance(sh.data, torch.Tensor) and not sh.key.startswith(("optimizer", "rng_state"))
         if is_weight and sh.data.is_floating_point():
             sh.data = torch.full_like(sh.data, float("nan"))
@@ -384,8 +261,8 @@ class LocalTier:
         _prepare_tensors(tasd, replicating=self.manager.repl_strategy is not None)
         rank = dist_utils.rank()
         _poison_for_drills(tasd, rank, iteration)
-        hashes = {**content_hashes(tasd), _OWNER: owner_tag(rank, iteration, self.layout)}
-        setattr(tasd, HASHES_ATTR, hashes)  # of exactly what is written and sent to replicas
+        hashes = {**shard_hashes.content_hashes(tasd), shard_hashes.OWNER: self._owner(rank, iteration)}
+        setattr(tasd, shard_hashes.HASHES_ATTR, hashes)  # of exactly what is written and sent to replicas
         request = self.manager.save(tasd, iteration, is_async=self._queue is not None)
         if self._queue is not None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -501,9 +378,9 @@ class LocalTier:
                 problems.append(f"{where}: cannot be read ({type(err).__name__}: {err})")
                 continue
             problems += [
-                f"{where}: {p}" for p in verify_content(mine[ckpt_id], owner_tag(ckpt_id[1], iteration, self.layout))
+                f"{where}: {p}" for p in shard_hashes.verify_content(mine[ckpt_id], self._owner(ckpt_id[1], iteration))
             ]
-        if self._other_layout(iteration, [saved_layout(shard) for shard in mine.values()]):
+        if self._other_layout(iteration, [shard_hashes.saved_layout(shard) for shard in mine.values()]):
             return None
         if self._reject(iteration, _agreed(problems)):
             return None
@@ -513,7 +390,7 @@ class LocalTier:
             retrieved = wanted not in mine
             tasd = received[wanted]
             where = f"rank {wanted[1]}'s shard as received from a replica by rank {dist.get_rank()}"
-            bad = verify_content(tasd, owner_tag(wanted[1], iteration, self.layout)) if retrieved else []
+            bad = shard_hashes.verify_content(tasd, self._owner(wanted[1], iteration)) if retrieved else []
             if self._reject(iteration, _agreed([f"{where}: {p}" for p in bad])):
                 return None
         else:
@@ -539,6 +416,10 @@ class LocalTier:
         upstream.bound(self.manager, f"{_MANAGER}._cleanup_failed_save")(iteration)
         self.manager.latest_iteration = -1
         dist_utils.barrier()
+
+    def _owner(self, rank: int, iteration: int) -> str:
+        """The owner tag of ``rank``'s shard of ``iteration`` under this run's layout (``shard_hashes.owner_tag``)."""
+        return shard_hashes.owner_tag(rank, iteration, self.layout)
 
     def _other_layout(self, iteration: int, layouts: list[Optional[str]]) -> bool:
         """Whether the shards read (any rank's ``layouts``) are of another layout (a shrink): skip them, not blame."""
