@@ -30,7 +30,7 @@ _FUNCTIONAL_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "fun
 LONGEST_FIRST = (
     "test_main_job.py", "training/test_parallel_resume.py", "recipes/test_preemption_slurm.py",
     "training/test_local_checkpointing.py", "training/test_rerun_state_machine.py", "test_drill_mutations.py",
-    "training/test_fault_tolerance.py", "test_gpu_check.py",
+    "training/test_fault_tolerance.py", "test_gpu_check.py", "training/test_shrink.py",
     "training/test_straggler_example.py", "training/test_preemption.py", "training/test_resume.py",
     "training/test_checkpoint_faults.py", "training/test_storage_faults.py", "training/test_health.py",
     "training/test_inprocess_restart.py",
