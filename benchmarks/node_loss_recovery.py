@@ -16,8 +16,8 @@ Each figure is read from the job's event stream (``drill/events.py``'s restart c
 stops sending keep-alive heartbeats, and the legacy rendezvous (nvidia-resiliency-ext before 0.6) drops it once
 they are overdue: 3 missed heartbeats of 5 s by default. Both runs pass
 ``--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3`` (``--rdzv-conf`` to change it); a third run, the spare
-with the default heartbeats, is printed beside them (no target). The barrier rendezvous (0.6 and later) does not wait
-for the heartbeats.
+with the default heartbeats, is printed beside them (no target). The barrier rendezvous (0.6 and later) does not drop
+nodes by heartbeats: there the setting has no effect and the two spare runs measure the same thing.
 
     python benchmarks/node_loss_recovery.py [--rounds 1] [--rdzv-conf keep_alive_interval=1,keep_alive_max_attempt=3]
 """

@@ -253,18 +253,29 @@ def _elastic_range(parsed: Any, argv: list[str]) -> Optional[str]:
     return None
 
 
-def _keep_alive(parsed: Any) -> Optional[str]:
+def _keep_alive(parsed: Any, argv: list[str]) -> Optional[str]:
     """Why ``--rdzv-conf``'s heartbeat settings cannot be used (``None``: they are used, or not given).
 
-    nvidia-resiliency-ext's rendezvous ignores them (``utils/rendezvous_keep_alive.py``); this makes it honour them.
+    nvidia-resiliency-ext's legacy rendezvous ignores them (``utils/rendezvous_keep_alive.py``); this makes it honour
+    them. Its barrier rendezvous does not drop nodes by heartbeats: there a line says they have no effect.
     """
     try:
         wanted = rendezvous_keep_alive.from_rdzv_conf(getattr(parsed, "rdzv_conf", None))
     except ValueError as err:
         return f"ft_launch: {err}"
-    if wanted is not None and rendezvous_keep_alive.install(wanted):
+    if wanted is None:
+        return None
+    if elastic.barrier_rendezvous(argv):
+        print("ft_launch: --rdzv-conf keep_alive_interval/keep_alive_max_attempt have no effect under "
+              "nvidia-resiliency-ext's barrier rendezvous: it does not drop nodes by their heartbeats",
+              file=sys.stderr)  # fmt: skip
+    elif rendezvous_keep_alive.install(wanted):
         print(f"ft_launch: the rendezvous drops a node after {wanted.dropped_after_s:g} s without heartbeats "
               f"(keep_alive_interval={wanted.interval_s:g}, keep_alive_max_attempt={wanted.max_attempt})",
+              file=sys.stderr)  # fmt: skip
+    else:
+        print("ft_launch: --rdzv-conf keep_alive_interval/keep_alive_max_attempt cannot be applied: this "
+              "nvidia-resiliency-ext has no legacy rendezvous settings to set (utils/upstream.py)",
               file=sys.stderr)  # fmt: skip
     return None
 
@@ -283,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     event_dir, argv = take_event_dir(sys.argv[1:] if argv is None else argv)
     parsed = rendezvous_port.parse_ft_launcher_args([a for a in argv if a != standby.OPT_OUT])
-    refused = (_elastic_range(parsed, argv) or _keep_alive(parsed)) if parsed is not None else None
+    refused = (_elastic_range(parsed, argv) or _keep_alive(parsed, argv)) if parsed is not None else None
     if refused is not None:
         return _refuse(refused, ExitCode.CONFIG_ERROR, event_dir)
     store = rendezvous_port.hosted_store(parsed) if parsed is not None else None

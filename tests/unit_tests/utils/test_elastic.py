@@ -60,6 +60,11 @@ def test_the_launcher_refuses_at_start_with_a_stop_code(capsys):
     assert "--rdzv-backend=static" in capsys.readouterr().err
 
 
+def test_a_malformed_node_range_is_refused_at_start_naming_the_fix(capsys):
+    assert launch.main(["--nnodes=1:2:3", "--nproc-per-node=1", *ENTRY]) == int(ExitCode.CONFIG_ERROR)
+    assert "--nnodes=1:2:3 is not N or MIN:MAX" in capsys.readouterr().err
+
+
 def test_ft_launch_refuses_at_start_with_a_stop_code_and_an_exit_event(tmp_path, capsys):
     from megatron.bridge.training.events.reader import read_events
 

@@ -71,7 +71,10 @@ def refusal(args: Any, launcher: str) -> Optional[str]:
         args: torchrun's (or ft_launcher's) parsed arguments: ``nnodes``, ``standalone``, ``rdzv_backend``.
         launcher: the launcher's name, for the message.
     """
-    low, high = node_range(args.nnodes)
+    try:
+        low, high = node_range(args.nnodes)
+    except ValueError as err:
+        return f"{launcher}: {err}. Fix: --nnodes=N, or --nnodes=MIN:MAX for an elastic job"
     if low == high:
         return None
     given = f"--nnodes={args.nnodes}"

@@ -134,11 +134,8 @@ PICK_PORT_SOCKET = "nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.
 """``ft_launcher``'s pick of the workers' store port before nvidia-resiliency-ext 0.6: returns a bound socket."""
 PICK_PORT_NUMBER = "torch.distributed.elastic.rendezvous.api:get_free_port"
 """The same pick from 0.6 on (torch's rendezvous, as the module's own name): returns the port number."""
-RENDEZVOUS_SETTINGS = (
-    "nvidia_resiliency_ext.fault_tolerance._ft_rendezvous:RendezvousSettings",
-    "nvidia_resiliency_ext.fault_tolerance.ft_rendezvous_barrier:RendezvousSettings",
-)
-"""The settings class of ``ft_launcher``'s legacy rendezvous (before 0.7) and of its barrier one (from 0.6)."""
+RENDEZVOUS_SETTINGS = "nvidia_resiliency_ext.fault_tolerance._ft_rendezvous:RendezvousSettings"
+"""The settings class of ``ft_launcher``'s legacy rendezvous (the only one before 0.6; gone in 0.7)."""
 
 
 def _worker_handler(module: str, launcher: str, when: str = "") -> tuple[Symbol, ...]:
@@ -352,9 +349,11 @@ SYMBOLS: tuple[Symbol, ...] = (
         when=NVRX_TORCH_ELASTIC,
     ),
     # ---------------------------------------------------------------- nvidia-resiliency-ext
-    *(
-        Symbol(key, "patch", "utils/rendezvous_keep_alive.py: the heartbeat settings of --rdzv-conf", when=when)
-        for key, when in zip(RENDEZVOUS_SETTINGS, ("nvidia-resiliency-ext<0.7", "nvidia-resiliency-ext>=0.6"))
+    Symbol(
+        RENDEZVOUS_SETTINGS,
+        "patch",
+        "utils/rendezvous_keep_alive.py: the heartbeat settings of --rdzv-conf",
+        when="nvidia-resiliency-ext<0.7",
     ),
     *_worker_handler(_NVRX_HANDLER, "ft_launcher", when=NVRX_OWN_ELASTIC),
     Symbol(

@@ -12,6 +12,7 @@ stops the run, the healthy global save in flight is committed first.
 
 import contextlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -343,8 +344,11 @@ class SavePath:
                 on_rank0(publish, "the checkpoint commit")
                 break
             except StorageGuard.SAVE_ERRORS as err:
-                # An async save's files are written: only its commit is tried again (a sync save retries whole).
-                if self._in_finalize() is None or not self._retried(err, iteration, None, number, since):
+                # An async save's files are written: only its commit is tried again (a sync save retries whole), and
+                # only while nothing was published: once the rename is done, a failure after it is not retried.
+                if self._queue is None or not on_rank0(lambda: os.path.isdir(tmp), "looking for the unpublished save"):
+                    raise
+                if not self._retried(err, iteration, None, number, since):
                     raise
         self.last_saved_iteration = iteration
         self.storage.sizes[GLOBAL] = sum(entry.size for entry in entries.values())

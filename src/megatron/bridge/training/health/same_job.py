@@ -12,12 +12,16 @@ the whole fingerprints (only then) and every rank ends with ``NODE_MISMATCH`` (e
 report: which ranks on which hosts differ from the job, and in what (each config field with both values, each
 release, or the source). The job's own ranks are the larger group; on a tie, the group of the rank that has
 restarted most (a survivor of the job rather than a newcomer), then rank 0's.
+
+Its limit: the check runs once the process groups exist. A spare started with other tensor or pipeline parallel sizes
+builds other model-parallel groups, and may hang or fail there before it is compared.
 """
 
 import functools
 import hashlib
 import json
 import logging
+import re
 import socket
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 MAY_DIFFER = frozenset({"checkpoint.non_persistent_local_ckpt_dir", "dist.local_rank"})
 """Config fields meant to differ between nodes or ranks: the node's local disk, the rank's place on its node."""
+MAY_DIFFER_SECTIONS = ("fault_injection.",)
+"""Config sections that may differ too: a fault drill can strike one node only."""
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+"""The memory address in a default ``repr`` (``<function f at 0x7f...>``): it differs from process to process."""
 _SHOWN = 8
 """Differences listed per rank in the report (the rest are counted)."""
 
@@ -51,7 +59,7 @@ class Fingerprint:
     source: str
     """SHA-256 of this package's Python source."""
     config: dict[str, str] = field(default_factory=dict)
-    """Dotted config field -> its value, as text (the fields of :data:`MAY_DIFFER` left out)."""
+    """Dotted config field -> its value, as text (:func:`may_differ` fields left out)."""
 
     def digest(self) -> str:
         """One hash of the releases, the source and the config."""
@@ -77,12 +85,17 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
         for key, item in value.items():
             out.update(flatten(item, f"{prefix}{key}."))
         return out
-    return {prefix[:-1]: repr(value)}
+    return {prefix[:-1]: _ADDRESS.sub("", repr(value))}
+
+
+def may_differ(field_name: str) -> bool:
+    """Whether the dotted config field may differ between the job's ranks (:data:`MAY_DIFFER`, its sections)."""
+    return field_name in MAY_DIFFER or field_name.startswith(MAY_DIFFER_SECTIONS)
 
 
 def fingerprint(cfg: Any, rank: int) -> Fingerprint:
     """The fingerprint of rank ``rank`` running the run config ``cfg``."""
-    config = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in MAY_DIFFER and not k.endswith("_target_")}
+    config = {k: v for k, v in flatten(cfg.to_dict()).items() if not may_differ(k)}
     return Fingerprint(
         rank=rank,
         host=socket.gethostname(),
@@ -135,7 +148,7 @@ def report(prints: list[Fingerprint]) -> Optional[str]:
         found = differences(job, p)
         more = f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         lines.append(f"  rank {p.rank} on {p.host}: " + "; ".join(found[:_SHOWN]) + more)
-    local = ", ".join(sorted(MAY_DIFFER))
+    local = ", ".join([*sorted(MAY_DIFFER), *(f"{section}*" for section in MAY_DIFFER_SECTIONS)])
     lines.append(f"Fix: start that node with the job's code and command line (these may differ: {local}), "
                  "then requeue the job: it resumes from its newest checkpoint.")  # fmt: skip
     return "\n".join(lines)
