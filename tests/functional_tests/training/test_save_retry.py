@@ -30,6 +30,18 @@ def _nothing_half_written(ckpt, tracked: int) -> None:
     assert max(layout.committed_iterations(str(ckpt))) == tracked
 
 
+def _ended_as_the_reference(run, ckpt, reference_tp1) -> dict:
+    """Nothing half-written, every save committed, the end bit-identical to the uninterrupted run; its goodput."""
+    _nothing_half_written(ckpt, 12)
+    assert layout.committed_iterations(str(ckpt)) == [12, 9, 6, 3]
+    reference, reference_ckpt = reference_tp1
+    assert run.losses() == reference.losses()
+    for iteration in (6, 12):
+        name = f"iter_{iteration:07d}"
+        assert_same_state(checkpoint_state(ckpt / name), checkpoint_state(reference_ckpt / name))
+    return json.loads((ckpt / "goodput" / "summary.json").read_text())
+
+
 @pytest.mark.timeout(240)
 def test_save_retry_survives_a_transient_write_error_bit_exactly(reference_tp1, tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -43,14 +55,7 @@ def test_save_retry_survives_a_transient_write_error_bit_exactly(reference_tp1, 
     assert [(e.fault_kind, e.rank, e.phase) for e in struck] == [("io-error", 1, "write")] * 2
     assert not run.detected(Mechanism.STORAGE_UNAVAILABLE)
     assert "attempt 1 of the global checkpoint of iteration 6 failed" in run.output
-    _nothing_half_written(ckpt, 12)
-    assert layout.committed_iterations(str(ckpt)) == [12, 9, 6, 3]
-    reference, reference_ckpt = reference_tp1
-    assert run.losses() == reference.losses()
-    for iteration in (6, 12):
-        name = f"iter_{iteration:07d}"
-        assert_same_state(checkpoint_state(ckpt / name), checkpoint_state(reference_ckpt / name))
-    summary = json.loads((ckpt / "goodput" / "summary.json").read_text())
+    summary = _ended_as_the_reference(run, ckpt, reference_tp1)
     assert summary["lost_s"]["save_retry"] >= 0.3  # both backoffs, at least
 
 
@@ -100,14 +105,7 @@ def test_save_retry_async_writer_survives_a_transient_write_error_bit_exactly(re
     assert "rank 1: attempt 1 of the background write into" in run.output  # the writer's own retry line
     assert "2 attempt(s) of the background write of the global checkpoint of iteration 6 failed" in run.output
     assert not run.detected(Mechanism.STORAGE_UNAVAILABLE)
-    _nothing_half_written(ckpt, 12)
-    assert layout.committed_iterations(str(ckpt)) == [12, 9, 6, 3]
-    reference, reference_ckpt = reference_tp1
-    assert run.losses() == reference.losses()
-    for iteration in (6, 12):
-        name = f"iter_{iteration:07d}"
-        assert_same_state(checkpoint_state(ckpt / name), checkpoint_state(reference_ckpt / name))
-    summary = json.loads((ckpt / "goodput" / "summary.json").read_text())
+    summary = _ended_as_the_reference(run, ckpt, reference_tp1)
     # Training went on while the writer retried: only a finalize's wait for the write counts, at most the retries.
     assert 0.0 <= summary["lost_s"]["save_retry"] <= 5.0
 

@@ -2,9 +2,8 @@
 
 This module keeps Megatron-Bridge's names (users and Megatron-Bridge's tests import and patch them here):
 :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`get_rng_state`, :func:`read_metadata`,
-:func:`_load_base_checkpoint` and the readers it dispatches to, :class:`CheckpointType`; re-exported from
-``checkpoint/``: the state-dict builders
-(``checkpoint/state_dict.py``), and the path helpers of ``utils/checkpoint_utils.py``.
+:func:`_load_base_checkpoint` and the readers it dispatches to, :class:`CheckpointType`; re-exported: the
+state-dict builders (``checkpoint/state_dict.py``) and the path helpers of ``utils/checkpoint_utils.py``.
 
 The run's own machinery lives in ``checkpoint/``: :class:`CheckpointManager` (``checkpoint/manager.py``, re-exported
 here) saves with an atomic, verified commit (``checkpoint/saving.py``) and resumes from the newest checkpoint that
@@ -37,10 +36,6 @@ from megatron.bridge.training.checkpoint.discovery import (  # noqa: F401 - Mega
     _get_checkpoint_format,
     _has_global_non_persistent_checkpoint,
     cleanup_old_non_persistent_checkpoint,
-)
-from megatron.bridge.training.checkpoint.loading import (  # noqa: F401 - re-exported: the names' old home
-    LOCAL_LOAD_SUSPECT_STEPS,
-    verify_checkpoint,
 )
 from megatron.bridge.training.checkpoint.manager import CheckpointManager
 from megatron.bridge.training.checkpoint.pluggable import FunctionCheckpointManager

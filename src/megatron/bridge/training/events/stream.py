@@ -30,11 +30,7 @@ This module is the bottom layer of the training package: it imports nothing but 
 feature module (fault injection, re-run, straggler detection, local checkpoints, in-process restart) and the
 launcher can emit events without importing each other. Emit through :func:`emit` once :func:`configure` named the
 directory (``pretrain`` does, from ``health.event_dir``); before that, and with no directory, :func:`emit` does
-nothing.
-
-Example:
-    >>> configure("/runs/job/events", rank=0)
-    >>> emit(EventKind.FAULT_DETECTED, mechanism=Mechanism.INPROCESS_SOFT_TIMEOUT, rank=1, iteration=47)
+nothing. ``docs/training/events.md`` shows both in use.
 """
 
 import atexit
