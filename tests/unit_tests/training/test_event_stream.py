@@ -7,6 +7,7 @@ import json
 import math
 import multiprocessing
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -292,13 +293,14 @@ def _ctx(step, **fields):
 
 def test_the_recorder_writes_steps_saves_sync_and_async_loads_and_the_exit(tmp_path):
     w = _writer(tmp_path)
-    rec = EventRecorder(0, writer=w)
+    run = SimpleNamespace(load_started=None)
+    rec = EventRecorder(0, writer=w, run=run)
     ckpt = tmp_path / "ckpt" / "iter_0000010"
     ckpt.mkdir(parents=True)
     (ckpt / "a.distcp").write_bytes(b"x" * 1000)
     (ckpt / "common.pt").write_bytes(b"y" * 24)
     rec.attempt_started(process_start=1.0, attempt_start=1.0, attempt="a0", job_id="local")
-    rec.load_begins()
+    run.load_started = time.perf_counter()  # as pretrain sets it before the load
     rec.on_checkpoint_load(CheckpointCallbackContext(None, str(ckpt), CheckpointType.GLOBAL, iteration=10))
     rec.on_train_step_end(_ctx(10, step_time=0.2, skipped_iter=False))
     # A synchronous save commits inside the blocking call: written at its end.

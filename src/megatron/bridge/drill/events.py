@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.bridge.drill.schedule import MUTATIONS, RELOADING
-from megatron.bridge.training.events.reader import Problem, read_events
+from megatron.bridge.training.events.reader import Problem, read_events, signal_name
 from megatron.bridge.training.events.stream import CyclePhase, Event, EventKind, Mechanism, RestartLayer
 from megatron.bridge.training.faults.spec import Fault
 
@@ -373,13 +373,6 @@ class Outcome:
         return None not in (self.struck, self.detected, self.recovered)
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 def describe(event: Event) -> str:
     """One line for people about a detection event: its mechanism, rank, exit code or signal, timeout, detail."""
     who = "" if event.rank is None else f"rank {event.rank}"  # a local rank alone is the writer's, not the blamed one
@@ -387,7 +380,7 @@ def describe(event: Event) -> str:
     who += "" if event.exit_code is None else f" (exitcode: {event.exit_code})"
     parts = [who.strip()] if who else []
     if event.signal is not None:
-        parts.append(f"{'killed by ' if event.exit_code is not None else ''}{_signal_name(event.signal)}")
+        parts.append(f"{'killed by ' if event.exit_code is not None else ''}{signal_name(event.signal)}")
     if event.section is not None or (event.seconds is not None and event.timeout is not None):
         timed = event.seconds is not None and event.timeout is not None
         over = f" {event.seconds:.2f} s > {event.timeout:.2f} s" if timed else ""

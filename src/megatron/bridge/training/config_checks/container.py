@@ -64,7 +64,7 @@ def validate_config(cfg: Container, world_size: Optional[int], store_port_offset
     _validate_model(cfg.model, training_ranks)
     _validate_deterministic_mode(cfg.model)
     _validate_train(cfg, training_ranks)
-    validate_elastic(cfg, training_ranks)  # after train: it reads the global batch the user set (not derived)
+    validate_elastic(cfg)  # after train: it reads the global batch the user set (not derived)
     _validate_optimizer(cfg)
     validate_schedule(cfg)
     if cfg.train.train_iters < 1:  # after the schedule, whose length check names the default decay's cause first

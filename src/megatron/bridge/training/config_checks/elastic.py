@@ -18,8 +18,12 @@ from megatron.bridge.utils import launch_env
 from megatron.bridge.utils.fields import fail as _fail
 
 
-def validate_elastic(cfg: Container, world_size: int) -> None:
-    """Refuse an elastic range some node count of which cannot train ``cfg``; nothing to check without a range."""
+def validate_elastic(cfg: Container) -> None:
+    """Refuse an elastic range some node count of which cannot train ``cfg``; nothing to check without a range.
+
+    Each node count's world is its nodes times the ranks per node (in-process restart's reserve ranks are not
+    subtracted: an elastic range with reserve ranks is not checked more closely than that).
+    """
     env = launch_env.current()
     if not env.elastic:
         return

@@ -72,7 +72,7 @@ def collect(
         "restarts": {
             "in_job": launch.restart_count,
             "in_process": inprocess_iteration,
-            "requeue": int(slurm.get("restart_count", "0")),
+            "requeue": launch.requeue_count,
         },
         "slurm": slurm or None,
         "checkpoint": checkpoint,

@@ -12,6 +12,7 @@ Example:
 import glob
 import json
 import os
+import signal
 from dataclasses import dataclass
 
 from megatron.bridge.training.events.stream import FILE_GLOB, Event, from_json
@@ -70,3 +71,11 @@ def read_events(directory: str) -> tuple[list[Event], list[Problem]]:
         problems += bad
     events.sort(key=lambda e: e.time)  # stable: one writer's events keep their order
     return events, problems
+
+
+def signal_name(number: int) -> str:
+    """The name of an event's ``signal`` (``SIGKILL``), or ``signal N`` for a number no signal has here."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -4,7 +4,7 @@ The problem: what a training attempt did (when it started, which steps it comple
 how it ended) was known only from log lines. :class:`EventRecorder` is the loop's feature that writes it as typed
 events (``events/stream.py``): a callback for the loop's events (``on_train_step_end``, ``on_checkpoint_save_start``/
 ``_end``, ``on_checkpoint_save``, ``on_checkpoint_load``) plus three calls ``pretrain`` makes where the loop has no
-event: :meth:`attempt_started`, :meth:`load_begins` (to time the load) and :meth:`exited`.
+event: :meth:`attempt_started` and :meth:`exited` (the load is timed from :attr:`Run.load_started`).
 
 A save is written once it is both committed and no longer blocking the loop, whichever comes last: a synchronous
 save commits inside the blocking call, an asynchronous one commits a few steps later. Its ``seconds`` are the loop's
@@ -69,7 +69,6 @@ class EventRecorder(Component):
         self._saves: dict[int, dict[str, Any]] = {}
         """Iteration -> what is known of its save so far (start, blocking seconds, commit)."""
         self._current: Optional[int] = None
-        self._load_started: Optional[float] = None
         self._run = run
 
     @classmethod
@@ -94,10 +93,6 @@ class EventRecorder(Component):
     def attempt_started(self, **fields: Any) -> None:
         """The attempt began: ``process_start``, ``attempt_start``, ``attempt``, ``job_id`` (Event fields)."""
         self._emit(EventKind.ATTEMPT_STARTED, **fields)
-
-    def load_begins(self) -> None:
-        """The checkpoint load starts now (``checkpoint_loaded`` gets its duration from here)."""
-        self._load_started = time.perf_counter()
 
     def exited(self, code: Optional[int], reason: str) -> None:
         """The attempt ends with exit ``code`` (``None``: an exception without one)."""
@@ -149,9 +144,7 @@ class EventRecorder(Component):
         """The attempt resumed from a checkpoint: its tier, iteration, size and load time."""
         tier = _tier(context.checkpoint_type)
         iteration = getattr(context, "iteration", None)
-        started, self._load_started = self._load_started, None
-        if started is None and self._run is not None:
-            started = self._run.load_started
+        started = None if self._run is None else self._run.load_started
         self._emit(
             EventKind.CHECKPOINT_LOADED,
             tier=tier,

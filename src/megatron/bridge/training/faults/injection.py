@@ -35,6 +35,7 @@ import signal
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Protocol
 
@@ -122,6 +123,8 @@ class FaultRegistry:
             self.add(fault)
         self.replaced = False
         """Set when another registry is installed (an in-process restart): its armed timers no longer strike."""
+        self.strikes: Counter[Fault] = Counter()
+        """How many times each fault struck in this registry (an ``io-error`` fails several attempts)."""
 
     def add(self, fault: Fault) -> None:
         """One more fault of the job.
@@ -138,10 +141,14 @@ class FaultRegistry:
         phases = tuple(phases)
         return [f for f in self._due if f.rank == rank and f.phase in phases]
 
-    def take(self, phase: str, rank: int, iteration: int, kind: Optional[str] = None) -> Optional[Fault]:
-        """The fault (of ``kind``, if given) due at ``phase`` of ``iteration`` on ``rank``, recorded as struck."""
+    def find(self, phase: str, rank: int, iteration: int, kind: Optional[str] = None) -> Optional[Fault]:
+        """The fault (of ``kind``, if given) due at ``phase`` of ``iteration`` on ``rank``; not recorded."""
         due = (f for f in self.pending(rank, [phase]) if f.iteration == iteration and kind in (None, f.kind))
-        fault = next(due, None)
+        return next(due, None)
+
+    def take(self, phase: str, rank: int, iteration: int, kind: Optional[str] = None) -> Optional[Fault]:
+        """:meth:`find`, recorded as struck."""
+        fault = self.find(phase, rank, iteration, kind)
         if fault is not None:
             self.record(fault)
         return fault
@@ -152,6 +159,7 @@ class FaultRegistry:
         Also a ``fault_injected`` event (``events/stream.py``), with or without a ledger: when it struck, for reports.
         ``keep_due``: it strikes again (an ``io-error`` with attempts left to fail).
         """
+        self.strikes[fault] += 1
         if not fault.always and not keep_due and fault in self._due:
             self._due.remove(fault)
         event_stream.emit(
@@ -223,20 +231,15 @@ def io_error(phase: str, rank: int, iteration: int, path: str) -> Optional[OSErr
     ``x<N>`` attempts (every one with ``always``), each recorded as struck. ``path``: what the error names.
     """
     due = registry()
-    fault = next((f for f in due.pending(rank, (phase,)) if f.kind == IO_ERROR and f.iteration == iteration), None)
+    fault = due.find(phase, rank, iteration, IO_ERROR)
     if fault is None:
         return None
-    key = (id(due), fault)
-    struck = _io_strikes[key] = _io_strikes.get(key, 0) + 1
+    struck = due.strikes[fault] + 1
     due.record(fault, keep_due=struck < fault.scale)
     logger.error(
         "fault injection: io-error (%s) on rank %d, iteration %d, attempt %d: %s", phase, rank, iteration, struck, path
     )
     return OSError(errno.EIO, f"Input/output error (injected io-error at {phase}, attempt {struck})", path)
-
-
-_io_strikes: dict[tuple[int, Fault], int] = {}
-"""How many attempts each ``io-error`` made fail, per registry."""
 
 
 def io_errors_in_writer(phase: str, rank: int, iteration: int, path: str) -> Optional[tuple[OSError, Optional[int]]]:
@@ -247,10 +250,9 @@ def io_errors_in_writer(phase: str, rank: int, iteration: int, path: str) -> Opt
     ``always``). It is recorded as struck once, here, when the save is handed to the writer.
     """
     due = registry()
-    fault = next((f for f in due.pending(rank, (phase,)) if f.kind == IO_ERROR and f.iteration == iteration), None)
+    fault = due.take(phase, rank, iteration, IO_ERROR)
     if fault is None:
         return None
-    due.record(fault)
     attempts = None if fault.always else int(fault.scale)
     logger.error(
         "fault injection: io-error (%s) on rank %d, iteration %d: %s attempts of the background write fail: %s",

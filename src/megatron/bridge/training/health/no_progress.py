@@ -39,7 +39,6 @@ import dataclasses
 import glob
 import logging
 import os
-import signal
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
@@ -130,13 +129,6 @@ def split_attempts(events: Iterable[Event]) -> list[list[Event]]:
     return groups
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 def _failure(events: Sequence[Event], iteration: int) -> Failure:
     """The first cause of an attempt's end (see the module doc for the order of the evidence)."""
     hangs = [e for e in events if e.kind == EventKind.FAULT_DETECTED and e.mechanism in _HANGS]
@@ -153,7 +145,7 @@ def _failure(events: Sequence[Event], iteration: int) -> Failure:
             d.kind == EventKind.FAULT_DETECTED and d.mechanism == Mechanism.OUT_OF_MEMORY and d.rank == e.rank
             for d in events
         )
-        cause = f"killed by signal {e.signal} ({_signal_name(e.signal)})"
+        cause = f"killed by signal {e.signal} ({event_reader.signal_name(e.signal)})"
         return Failure(e.rank, cause + (" by the out-of-memory killer" if oom else ""), iteration, e.signal)
     raised = [
         e

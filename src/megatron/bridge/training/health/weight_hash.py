@@ -207,8 +207,6 @@ class WeightHashCheck(Component):
     def __init__(self, interval: int, save_dir: Optional[str]) -> None:
         self.interval = interval
         self.save_dir = save_dir
-        self.checks = 0
-        """Comparisons made in this attempt."""
         self._verified: Optional[int] = None
         self._hosts: list[str] = []
         self._record: list[dict] = []
@@ -247,7 +245,6 @@ class WeightHashCheck(Component):
             True: parallel_state.get_expert_data_parallel_group,
         }
         named, mine = check_replicas(model, groups)
-        self.checks += 1
         if not named:
             self._verified = iteration
             return
