@@ -2,9 +2,9 @@
 
 The loop's features are components (``components/base.py``): callbacks on the same events user callbacks get
 (``callbacks.py``), run before the user's in the one order ``pretrain.FEATURES`` declares (of those with loop
-events: goodput, the event stream, fault tolerance, hang attribution, fault injection, liveness ping, straggler
-detection, garbage collection); the loop knows none of them by name. ``on_train_start``: garbage collection freezes
-what set-up built. One iteration:
+events: goodput, the event stream, fault tolerance, hang attribution, fault injection, the weight-hash check,
+liveness ping, straggler detection, garbage collection); the loop knows none of them by name. ``on_train_start``:
+garbage collection freezes what set-up built. One iteration:
 
 1. ``on_train_step_start``: goodput (the first step ends this attempt's start-up); fault tolerance opens the
    ``step`` section and hang attribution watches it (this rank's stacks are written if it stays open too long);
@@ -18,7 +18,8 @@ what set-up built. One iteration:
    none when nothing needs agreeing); commit the async saves finished on every rank (goodput counts it
    as ``checkpoint_save``);
 4. ``on_train_step_end``: goodput counts the step as productive when its update was applied (else as ``rerun``),
-   the event stream records it (``step_completed``);
+   the event stream records it (``step_completed``); every ``check_weight_hash_across_dp_replicas_interval``
+   steps the weight-hash check compares the data-parallel replicas (a mismatch stops the attempt: 31, or 30);
    fault tolerance closes ``step`` and hang attribution stops watching; straggler detection counts the step and,
    when a report is due, all ranks score each other (it may ask every rank to stop); ``train.manual_gc`` collects
    when due; then the user's;
